@@ -1,0 +1,310 @@
+"""Desired state: pure functions from an SFTJob to the manifests of its children.
+
+Nothing here talks to the API server; every function is deterministic in its inputs so
+that the tests compare whole manifests and the reconciler can create children by name,
+only when absent. Children: a headless Service (stable DNS names for the rendezvous), a
+ConfigMap with the trainer's config, and one pod per node rank.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from sftjob_trainer.config import SFTConfig
+
+from . import api
+
+LABEL_JOB = "sftjob.io/job-name"
+LABEL_RANK = "sftjob.io/rank"
+LABEL_ATTEMPT = "sftjob.io/attempt"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "sftjob-operator", "app.kubernetes.io/name": "sftjob"}
+CONFIG_DIR = "/etc/sftjob"
+CONFIG_FILE = "config.yaml"
+CONTAINER = "trainer"
+MASTER_PORT = 29500
+METRICS_PORT = 9400
+
+
+class InvalidSpec(ValueError):
+    """The spec passed the API server's schema but cannot be turned into a runnable job."""
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """The identity of an SFTJob that its children need (names, owner reference)."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> "JobRef":
+        meta = body["metadata"]
+        return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+
+
+def parse_spec(raw: dict[str, Any]) -> api.SFTJobSpec:
+    """Validate a spec dict as stored by the API server (defaults already applied)."""
+    try:
+        return api.SFTJobSpec.model_validate(raw)
+    except ValidationError as err:
+        raise InvalidSpec(_short_errors(err)) from None
+
+
+def _short_errors(err: ValidationError) -> str:
+    return "; ".join(
+        f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+    )
+
+
+def service_name(job: JobRef) -> str:
+    return job.name
+
+
+def config_map_name(job: JobRef) -> str:
+    return f"{job.name}-config"
+
+
+def pod_name(job: JobRef, rank: int) -> str:
+    return f"{job.name}-node-{rank}"
+
+
+def output_dir(job: JobRef, spec: api.SFTJobSpec) -> str:
+    """Where this job's checkpoints and exports go. The uid keeps a re-created job with the
+    same name from resuming an older run's checkpoints."""
+    return f"{spec.storage.uri.rstrip('/')}/{job.namespace}/{job.name}/{job.uid}"
+
+
+def model_uri(job: JobRef, spec: api.SFTJobSpec) -> str:
+    """The exported Hugging Face model (docs/trainer-contract.md: hf/final)."""
+    return f"{output_dir(job, spec)}/hf/final"
+
+
+def master_addr(job: JobRef) -> str:
+    return f"{pod_name(job, 0)}.{service_name(job)}.{job.namespace}.svc.cluster.local"
+
+
+def stop_timeout_s(spec: api.SFTJobSpec) -> float:
+    """The trainer's SIGTERM-to-exit budget: most of the grace period, leaving room for exit."""
+    return round(spec.run_policy.termination_grace_period_seconds * 0.75, 1)
+
+
+def elastic_shutdown_timeout(spec: api.SFTJobSpec) -> int:
+    """torchrun escalates SIGTERM to SIGKILL for its workers after this many seconds; it
+    must outlast the trainer's own stop budget and end before the kubelet's SIGKILL."""
+    return max(1, int(spec.run_policy.termination_grace_period_seconds * 0.9))
+
+
+def trainer_config(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRICS_PORT) -> dict[str, Any]:
+    """The trainer's SFTConfig as a plain dict, validated by the trainer's own model."""
+    world = spec.resources.nodes * spec.resources.processes_per_node
+    if spec.data.train_batch_size % (world * spec.data.micro_batch_size_per_gpu):
+        # The CRD's CEL rule says the same at admission; this catches objects stored before it.
+        raise InvalidSpec(f"spec.data.trainBatchSize ({spec.data.train_batch_size}) must be a multiple of "
+                          f"spec.data.microBatchSizePerGpu ({spec.data.micro_batch_size_per_gpu}) times the "
+                          f"world size ({world})")
+    training = spec.training.model_dump(exclude_none=True)
+    optim = training.pop("optim")
+    lora = {**training.pop("lora"), "merge_on_export": spec.output.merge_lora}
+    raw = {
+        "model": spec.model.model_dump(exclude_none=True),
+        "data": spec.data.model_dump(exclude_none=True),
+        "optim": {**optim, "betas": list(optim["betas"])},
+        "lora": lora,
+        "trainer": {
+            **training,
+            "output_dir": output_dir(job, spec),
+            "save_freq": spec.checkpoint.interval,
+            "keep_checkpoints": spec.checkpoint.keep,
+            "metrics_port": metrics_port,
+            "stop_timeout_s": stop_timeout_s(spec),
+        },
+    }
+    try:
+        SFTConfig.model_validate(raw)
+    except ValidationError as err:
+        raise InvalidSpec("the trainer rejects the derived config: " + _short_errors(err)) from None
+    return raw
+
+
+def labels(job: JobRef, **extra: str) -> dict[str, str]:
+    return {**MANAGED_BY, LABEL_JOB: job.name, **extra}
+
+
+def owner_reference(job: JobRef) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{api.GROUP}/{api.VERSION}",
+        "kind": api.KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: JobRef, name: str, **extra_labels: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": labels(job, **extra_labels),
+        "ownerReferences": [owner_reference(job)],
+    }
+
+
+def build_service(job: JobRef, master_port: int = MASTER_PORT) -> dict[str, Any]:
+    """Headless Service: gives each pod <hostname>.<service>.<ns>.svc DNS before it is ready."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job, service_name(job)),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {LABEL_JOB: job.name},
+            "ports": [{"name": "rendezvous", "port": master_port, "targetPort": master_port}],
+        },
+    }
+
+
+def config_text(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRICS_PORT) -> str:
+    return yaml.safe_dump(trainer_config(job, spec, metrics_port), sort_keys=False)
+
+
+def build_config_map(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRICS_PORT) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(job, config_map_name(job)),
+        "data": {CONFIG_FILE: config_text(job, spec, metrics_port)},
+    }
+
+
+def trainer_command(job: JobRef, spec: api.SFTJobSpec, rank: int, master_port: int = MASTER_PORT) -> list[str]:
+    """The trainer's launcher (torchrun with exit codes the failure policy can read) for a
+    multi-process gang; plain `python -m sftjob_trainer` for a single process."""
+    res = spec.resources
+    config = ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    if res.nodes * res.processes_per_node == 1:
+        return ["python", "-m", "sftjob_trainer", *config]
+    return [
+        "python", "-m", "sftjob_trainer.launch",
+        f"--nnodes={res.nodes}",
+        f"--nproc-per-node={res.processes_per_node}",
+        f"--node-rank={rank}",
+        f"--master-addr={master_addr(job)}",
+        f"--master-port={master_port}",
+        "--", *config,
+    ]
+
+
+def _env(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int, master_port: int) -> list[dict[str, Any]]:
+    res, storage = spec.resources, spec.storage
+    env: list[dict[str, Any]] = [
+        # PyTorchJob-style variables: WORLD_SIZE and RANK count pods (node ranks); torchrun
+        # sets the per-process WORLD_SIZE/RANK/LOCAL_RANK for the trainer itself.
+        {"name": "MASTER_ADDR", "value": master_addr(job)},
+        {"name": "MASTER_PORT", "value": str(master_port)},
+        {"name": "WORLD_SIZE", "value": str(res.nodes)},
+        {"name": "RANK", "value": str(rank)},
+        {"name": "NODE_RANK", "value": str(rank)},
+        {"name": "NPROC_PER_NODE", "value": str(res.processes_per_node)},
+        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(elastic_shutdown_timeout(spec))},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "SFTJOB_JOB_NAME", "value": job.name},
+        {"name": "SFTJOB_ATTEMPT", "value": str(attempt)},
+    ]
+    if storage.endpoint:
+        env.append({"name": "AWS_ENDPOINT_URL", "value": storage.endpoint})
+    if storage.region:
+        env += [{"name": "AWS_REGION", "value": storage.region},
+                {"name": "AWS_DEFAULT_REGION", "value": storage.region}]
+    if storage.credentials_secret_ref:
+        secret = storage.credentials_secret_ref.name
+        env += [
+            {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+        ]
+    env += [{"name": e.name, "value": e.value} for e in res.env or []]
+    return env
+
+
+def _resources(spec: api.SFTJobSpec) -> dict[str, Any]:
+    res = spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if res.cpu is not None:
+        requests["cpu"] = str(res.cpu)
+    if res.memory is not None:
+        requests["memory"] = limits["memory"] = res.memory
+    if res.gpus_per_node:
+        requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(res.gpus_per_node)
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def config_hash(job: JobRef, spec: api.SFTJobSpec) -> str:
+    return hashlib.sha256(config_text(job, spec).encode()).hexdigest()[:16]
+
+
+def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
+              master_port: int = MASTER_PORT, metrics_port: int = METRICS_PORT) -> dict[str, Any]:
+    """The pod of one node rank for one gang attempt."""
+    res = spec.resources
+    name = pod_name(job, rank)
+    meta = _metadata(job, name, **{LABEL_RANK: str(rank), LABEL_ATTEMPT: str(attempt)})
+    meta["annotations"] = {"sftjob.io/config-hash": config_hash(job, spec)}
+    ports = [{"name": "rendezvous", "containerPort": master_port}]
+    if rank == 0:
+        ports.append({"name": "metrics", "containerPort": metrics_port})
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": res.image,
+        "imagePullPolicy": res.image_pull_policy,
+        "command": trainer_command(job, spec, rank, master_port),
+        "env": _env(job, spec, rank, attempt, master_port),
+        "ports": ports,
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    resources = _resources(spec)
+    if resources:
+        container["resources"] = resources
+    pod_spec: dict[str, Any] = {
+        # The operator restarts the whole gang; a kubelet restart of one rank would hang the rest.
+        "restartPolicy": "Never",
+        "hostname": name,
+        "subdomain": service_name(job),
+        "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": config_map_name(job)}}],
+    }
+    for key, value in (
+        ("nodeSelector", res.node_selector),
+        ("priorityClassName", res.priority_class_name),
+        ("schedulerName", res.scheduler_name),
+        ("serviceAccountName", res.service_account_name),
+    ):
+        if value:
+            pod_spec[key] = value
+    if res.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in res.tolerations]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def build_pods(job: JobRef, spec: api.SFTJobSpec, attempt: int, **ports: int) -> list[dict[str, Any]]:
+    return [build_pod(job, spec, rank, attempt, **ports) for rank in range(spec.resources.nodes)]

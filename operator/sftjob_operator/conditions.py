@@ -1,0 +1,87 @@
+"""Condition types, reason constants and the one function that sets a condition.
+
+Conditions follow metav1.Condition: `lastTransitionTime` changes only when the status
+flips, so rewriting the same condition every pass is a no-op. `Ready` is the summary that
+generic tools read; `Reconciling` and `Stalled` are the abnormal-true conditions kstatus
+(Argo CD, Flux, `kubectl wait`) understands: Reconciling while pods start or restart,
+Stalled once the job has failed.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# Types.
+READY = "Ready"
+RUNNING = "Running"
+RESTARTING = "Restarting"
+SUSPENDED = "Suspended"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+RECONCILING = "Reconciling"
+STALLED = "Stalled"
+ALL_TYPES = (READY, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED, RECONCILING, STALLED)
+
+# Reasons.
+REASON_CREATED = "Created"
+REASON_PODS_STARTING = "PodsStarting"
+REASON_ALL_RUNNING = "AllPodsRunning"
+REASON_NOT_RUNNING = "NotRunning"
+REASON_SUCCEEDED = "TrainingSucceeded"
+REASON_PREEMPTED = "Preempted"
+REASON_POD_DELETED = "PodDeleted"
+REASON_POD_LOST = "PodLost"
+REASON_SIGNALLED = "Signalled"
+REASON_NODE_NOT_READY = "NodeNotReady"
+REASON_TRAINING_ERROR = "TrainingError"
+REASON_BACKOFF_LIMIT = "BackoffLimitExceeded"
+REASON_PREEMPTION_LIMIT = "PreemptionLimitExceeded"
+REASON_DEADLINE = "DeadlineExceeded"
+REASON_STARTUP_DEADLINE = "StartupDeadlineExceeded"
+REASON_INVALID_SPEC = "InvalidSpec"
+REASON_SUSPENDED = "JobSuspended"
+REASON_RESUMED = "JobResumed"
+REASON_RESTART_PREEMPTION = "RestartingAfterPreemption"
+REASON_RESTART_FAILURE = "RestartingAfterFailure"
+
+MAX_MESSAGE = 2000
+
+
+def set_condition(conds: list[dict[str, Any]], ctype: str, status: bool | str, reason: str,
+                  message: str, now: str, generation: int | None = None) -> list[dict[str, Any]]:
+    """Return `conds` with condition `ctype` set; lastTransitionTime kept unless status flips."""
+    value = status if isinstance(status, str) else ("True" if status else "False")
+    out = [dict(x) for x in conds if x.get("type") != ctype]
+    old = next((x for x in conds if x.get("type") == ctype), None)
+    since = old["lastTransitionTime"] if old and old.get("status") == value else now
+    new = {"type": ctype, "status": value, "reason": reason, "message": message[:MAX_MESSAGE],
+           "lastTransitionTime": since}
+    if generation is not None:
+        new["observedGeneration"] = generation
+    out.append(new)
+    order = {t: i for i, t in enumerate(ALL_TYPES)}
+    return sorted(out, key=lambda x: order.get(x["type"], len(order)))
+
+
+def get_condition(conds: list[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
+    return next((x for x in conds if x.get("type") == ctype), None)
+
+
+def for_phase(conds: list[dict[str, Any]], phase: str, reason: str, message: str, now: str,
+              generation: int | None) -> list[dict[str, Any]]:
+    """All condition types derived from one phase (each pass writes the full set)."""
+    active = {
+        RUNNING: phase == "Running",
+        RESTARTING: phase == "Restarting",
+        SUSPENDED: phase == "Suspended",
+        SUCCEEDED: phase == "Succeeded",
+        FAILED: phase == "Failed",
+        RECONCILING: phase in ("Pending", "Restarting"),
+        STALLED: phase == "Failed",
+        READY: phase in ("Running", "Succeeded"),
+    }
+    for ctype, on in active.items():
+        # Every condition carries the phase's reason; the message goes on the true ones and
+        # on Ready, the summary a user reads first.
+        text = message if on or ctype == READY else ""
+        conds = set_condition(conds, ctype, on, reason, text, now, generation)
+    return conds

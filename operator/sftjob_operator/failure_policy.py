@@ -1,0 +1,190 @@
+"""Failure policy: what a lost or finished pod means for the gang.
+
+A gang either keeps running, succeeds (every rank exited 0), or must be restarted as a
+whole. Restarts have two causes counted apart: *preemption* (the pod was taken away or
+signalled: eviction, DisruptionTarget, node loss, deletion, exit >= 128, the trainer's
+"Preempted" message), which spends `runPolicy.preemptionLimit`, and *failure* (the trainer
+exited 1..127), which spends `runPolicy.backoffLimit`. A deterministic error (exit 2,
+invalid data) would fail again, so it still spends the failure budget; the budget is what
+turns it into a Failed job quickly when backoffLimit is 0.
+
+Exit codes and the termination message follow docs/trainer-contract.md.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from . import conditions as c
+
+MAX_RESTART_BACKOFF_S = 300.0
+
+# Termination-message reasons written by the trainer (docs/trainer-contract.md).
+TRAINER_FAILURE_REASONS = {"InvalidConfig", "InvalidData", "TrainingError"}
+TRAINER_PREEMPTED_REASON = "Preempted"
+# pod.status.reason values set when the pod itself was taken away, not when it failed.
+PREEMPTED_POD_REASONS = {"Evicted", "NodeLost", "Shutdown", "NodeShutdown", "Terminated",
+                         "Preempting", "UnexpectedAdmissionError", "NodeAffinity", "OutOfcpu",
+                         "OutOfmemory", "OutOfpods"}
+# Waiting reasons that mean the pod cannot start until something outside it changes.
+STUCK_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+                         "CreateContainerConfigError", "CreateContainerError"}
+
+
+class State(enum.Enum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    PREEMPTED = "Preempted"
+    FAILED = "Failed"
+
+
+@dataclass(frozen=True)
+class PodOutcome:
+    """What one pod of the current gang is doing or how it ended."""
+
+    state: State
+    reason: str = ""
+    message: str = ""
+    exit_code: int | None = None
+
+
+def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return term
+    return None
+
+
+def _waiting_reason(pod: dict[str, Any]) -> str:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting")
+        if waiting and waiting.get("reason"):
+            return waiting["reason"]
+    return ""
+
+
+def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == ctype:
+            return cond
+    return None
+
+
+def parse_termination_message(message: str | None) -> tuple[str, str]:
+    """Split the trainer's one-line `<Reason>: <message>`; ("", text) when it is not one."""
+    text = (message or "").strip()
+    line = text.splitlines()[-1] if text else ""
+    head, sep, tail = line.partition(": ")
+    if sep and head.isidentifier() and head[:1].isupper():
+        return head, tail.strip()
+    return "", text[-1000:]
+
+
+def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutcome:
+    """Classify one pod of the current gang.
+
+    `node_ready` is the Ready condition of the pod's node when the caller could read it
+    (None: unknown, not held against the pod).
+    """
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    term = _terminated(pod)
+    exit_code = term.get("exitCode") if term else None
+    t_reason, t_message = parse_termination_message(term.get("message") if term else None)
+
+    if phase == "Succeeded" or (phase == "Failed" and exit_code == 0 and not pod["metadata"].get("deletionTimestamp")):
+        return PodOutcome(State.SUCCEEDED, exit_code=0)
+    disruption = _condition(pod, "DisruptionTarget")
+    if disruption and disruption.get("status") == "True":
+        return PodOutcome(State.PREEMPTED, disruption.get("reason") or c.REASON_PREEMPTED,
+                          disruption.get("message", ""), exit_code)
+    if pod["metadata"].get("deletionTimestamp"):
+        return PodOutcome(State.PREEMPTED, c.REASON_POD_DELETED, "the pod was deleted", exit_code)
+    if status.get("reason") in PREEMPTED_POD_REASONS:
+        return PodOutcome(State.PREEMPTED, status["reason"], status.get("message", ""), exit_code)
+    if phase == "Failed":
+        if t_reason == TRAINER_PREEMPTED_REASON:
+            return PodOutcome(State.PREEMPTED, c.REASON_PREEMPTED, t_message, exit_code)
+        if t_reason in TRAINER_FAILURE_REASONS:
+            return PodOutcome(State.FAILED, t_reason, t_message, exit_code)
+        if term and term.get("reason") == "OOMKilled":
+            # Killed by the kernel for exceeding its memory limit: it would happen again.
+            return PodOutcome(State.FAILED, "OOMKilled", "the trainer exceeded its memory limit", exit_code)
+        if exit_code is not None and exit_code >= 128:
+            return PodOutcome(State.PREEMPTED, c.REASON_SIGNALLED,
+                              f"the trainer was killed by signal {exit_code - 128}", exit_code)
+        if exit_code is None:
+            return PodOutcome(State.PREEMPTED, status.get("reason") or c.REASON_POD_LOST,
+                              status.get("message", "the pod failed without a container exit code"), None)
+        return PodOutcome(State.FAILED, t_reason or c.REASON_TRAINING_ERROR,
+                          t_message or f"the trainer exited with code {exit_code}", exit_code)
+    if node_ready is False:
+        return PodOutcome(State.PREEMPTED, c.REASON_NODE_NOT_READY,
+                          f"node {pod.get('spec', {}).get('nodeName')} is not ready")
+    if phase == "Running":
+        return PodOutcome(State.RUNNING)
+    return PodOutcome(State.PENDING, _waiting_reason(pod) or status.get("reason") or "")
+
+
+class Verdict(enum.Enum):
+    STARTING = "Starting"      # some pods not running yet, none lost
+    RUNNING = "Running"        # every rank is running (or already finished with 0)
+    SUCCEEDED = "Succeeded"    # every rank exited 0
+    RESTART_PREEMPTED = "RestartPreempted"
+    RESTART_FAILED = "RestartFailed"
+
+
+@dataclass(frozen=True)
+class GangVerdict:
+    verdict: Verdict
+    reason: str = ""
+    message: str = ""
+    stuck_reason: str = ""  # e.g. ImagePullBackOff, for the startup-deadline message
+
+
+def judge_gang(outcomes: dict[int, PodOutcome | None], nodes: int) -> GangVerdict:
+    """Judge the current gang from each rank's outcome (None: the rank's pod is gone).
+
+    A permanent failure anywhere wins over preemptions elsewhere (the failing rank often
+    takes its peers down with it); a missing pod is a preemption.
+    """
+    failed = [(r, o) for r, o in sorted(outcomes.items()) if o and o.state is State.FAILED]
+    if failed:
+        rank, o = failed[0]
+        return GangVerdict(Verdict.RESTART_FAILED, o.reason, f"rank {rank}: {o.message}")
+    lost = [(r, o) for r, o in sorted(outcomes.items()) if o is None or o.state is State.PREEMPTED]
+    missing = [r for r in range(nodes) if r not in outcomes]
+    if lost or missing:
+        if lost:
+            rank, o = lost[0]
+            reason = o.reason if o else c.REASON_POD_DELETED
+            message = o.message if o else "the pod disappeared"
+        else:
+            rank, reason, message = missing[0], c.REASON_POD_DELETED, "the pod disappeared"
+        return GangVerdict(Verdict.RESTART_PREEMPTED, reason, f"rank {rank}: {message}")
+    states = [o.state for o in outcomes.values() if o]
+    if all(s is State.SUCCEEDED for s in states):
+        return GangVerdict(Verdict.SUCCEEDED)
+    if any(s is State.PENDING for s in states):
+        stuck = next((o.reason for o in outcomes.values() if o and o.reason in STUCK_WAITING_REASONS), "")
+        return GangVerdict(Verdict.STARTING, stuck_reason=stuck)
+    return GangVerdict(Verdict.RUNNING)
+
+
+def restart_delay(base_seconds: float, restarts_so_far: int) -> float:
+    """Exponential back-off before gang restart number restarts_so_far + 1."""
+    if base_seconds <= 0:
+        return 0.0
+    return min(MAX_RESTART_BACKOFF_S, base_seconds * (2 ** max(0, restarts_so_far)))
+
+
+def pods_to_stop(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pods that still hold resources (not finished, not already being deleted)."""
+    return [
+        p for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+        and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+    ]

@@ -1,0 +1,244 @@
+"""kopf wiring: every trigger leads to the same idempotent `reconcile_job`.
+
+Triggers: SFTJob create/resume/spec update (kopf handlers, so kopf's error taxonomy
+applies), pod events (enqueue the owning job), and a requeue scheduler that plays the role
+of a timer. kopf timers and daemons would put a finalizer on every SFTJob (kopf#833),
+which blocks deletion while the operator is down; the scheduler needs none, and it fires
+each job exactly when the job asked to be looked at again (a TTL expiry, the end of a
+restart back-off), plus a periodic resync that catches anything missed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import aiohttp
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from . import api, builders, metrics, progress, reconcile
+from .kube import Conflict, Kube
+
+log = logging.getLogger("sftjob_operator")
+
+RESYNC_S = 60.0
+TICK_S = 0.2
+ERROR_RETRY_S = 5.0
+MAX_PARALLEL = 8
+Key = tuple[str, str]
+
+
+@dataclass
+class Runtime:
+    """Per-process state. Nothing here must survive a restart: the truth is in the API."""
+
+    kube: Kube
+    namespaces: list[str] | None
+    session: aiohttp.ClientSession | None = None
+    due: dict[Key, float] = field(default_factory=dict)
+    locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
+    phases: metrics.PhaseBook = field(default_factory=metrics.PhaseBook)
+    last_tick: float = field(default_factory=time.monotonic)
+    task: asyncio.Task | None = None
+    running: set = field(default_factory=set)
+
+    def enqueue(self, key: Key, after: float = 0.0) -> None:
+        when = time.monotonic() + after
+        if key not in self.due or when < self.due[key]:
+            self.due[key] = when
+
+    def lock(self, key: Key) -> asyncio.Lock:
+        return self.locks.setdefault(key, asyncio.Lock())
+
+
+# Set by cli.main before kopf starts (namespaces to resync, test hooks).
+CONFIG: dict[str, Any] = {"namespaces": None, "watch_server_timeout": 300, "standalone": True}
+
+
+def _rt(memo: Any) -> Runtime:
+    return memo["sftjob"]
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Watches that silently stop are kopf's classic failure (kopf#585): bound both sides.
+    settings.watching.server_timeout = CONFIG["watch_server_timeout"]
+    settings.watching.client_timeout = CONFIG["watch_server_timeout"] + 30
+    settings.watching.connect_timeout = 30
+    settings.peering.standalone = CONFIG["standalone"]
+    if not CONFIG["standalone"]:
+        settings.peering.name = CONFIG.get("peering_name") or "sftjob-operator"
+        settings.peering.clusterwide = not CONFIG["namespaces"]
+    # kopf's own bookkeeping in annotations, never in status (which we own and write whole).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.sftjob.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kopf.sftjob.io", key="last-handled-configuration")
+    settings.posting.level = logging.WARNING
+    rt = Runtime(kube=Kube(), namespaces=CONFIG["namespaces"])
+    rt.session = aiohttp.ClientSession()
+    rt.task = asyncio.create_task(_scheduler(rt), name="sftjob-scheduler")
+    memo["sftjob"] = rt
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    rt = memo.get("sftjob")
+    if rt is None:
+        return
+    if rt.task:
+        rt.task.cancel()
+    if rt.session:
+        await rt.session.close()
+
+
+@kopf.on.probe(id="scheduler")
+def scheduler_alive(memo: kopf.Memo, **_: Any) -> float:
+    """Liveness: the requeue scheduler ticked recently (a stuck loop fails the probe)."""
+    age = time.monotonic() - _rt(memo).last_tick
+    if age > 60:
+        raise kopf.PermanentError(f"scheduler has not ticked for {age:.0f}s")
+    return round(age, 3)
+
+
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")
+async def on_job(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    await reconcile_job(_rt(memo), namespace, name, from_handler=True)
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+def on_job_event(event: dict[str, Any], namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        rt = _rt(memo)
+        rt.phases.set((namespace, name), None)
+        rt.due.pop((namespace, name), None)
+        rt.locks.pop((namespace, name), None)
+
+
+@kopf.on.event("", "v1", "pods", labels={builders.LABEL_JOB: kopf.PRESENT})
+def on_pod_event(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    _rt(memo).enqueue((namespace, labels[builders.LABEL_JOB]))
+
+
+async def _scheduler(rt: Runtime) -> None:
+    """Run due reconciles (a few at a time) and resync all jobs now and then."""
+    last_resync = 0.0
+    sem = asyncio.Semaphore(MAX_PARALLEL)
+
+    async def one(key: Key) -> None:
+        async with sem:
+            try:
+                await reconcile_job(rt, *key)
+            except Exception as err:  # noqa: BLE001 - a failing job must not stop the others
+                log.warning("reconcile %s/%s failed: %s", *key, err)
+                rt.enqueue(key, ERROR_RETRY_S)
+            finally:
+                rt.running.discard(key)
+
+    while True:
+        rt.last_tick = now = time.monotonic()
+        for key, when in list(rt.due.items()):
+            if when <= now and key not in rt.running:
+                del rt.due[key]
+                rt.running.add(key)
+                asyncio.create_task(one(key))
+        if now - last_resync >= RESYNC_S:
+            last_resync = now
+            try:
+                for job in await rt.kube.list_jobs(rt.namespaces):
+                    meta = job["metadata"]
+                    phase = (job.get("status") or {}).get("phase")
+                    rt.phases.set((meta["namespace"], meta["name"]), phase)
+                    rt.enqueue((meta["namespace"], meta["name"]))
+            except Exception as err:  # noqa: BLE001
+                log.warning("resync failed: %s", err)
+        await asyncio.sleep(TICK_S)
+
+
+def _rank0(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    attempt = str((body.get("status") or {}).get("attempt", 0))
+    for p in pods:
+        lab = p["metadata"].get("labels", {})
+        if lab.get(builders.LABEL_RANK) == "0" and lab.get(builders.LABEL_ATTEMPT) == attempt:
+            return p
+    return None
+
+
+async def _observe(rt: Runtime, body: dict[str, Any], pods: list[dict[str, Any]]):
+    nodes = {p["spec"].get("nodeName") for p in pods
+             if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") in ("Pending", "Running")}
+    node_ready = await rt.kube.node_ready(nodes) if nodes else {}
+    scraped = None
+    rank0 = _rank0(body, pods)
+    if rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP") and rt.session:
+        scraped = await progress.scrape(rt.session, rank0["status"]["podIP"], builders.METRICS_PORT)
+    return node_ready, scraped
+
+
+async def reconcile_job(rt: Runtime, namespace: str, name: str, from_handler: bool = False) -> None:
+    """One reconcile pass for one job: read, decide (pure), write status, act."""
+    key = (namespace, name)
+    async with rt.lock(key):
+        started = time.monotonic()
+        try:
+            plan = await _pass(rt, key)
+        except Conflict:
+            metrics.RECONCILES.labels(result="conflict").inc()
+            rt.enqueue(key, 0.2)
+            return
+        except ApiException as err:
+            metrics.RECONCILE_ERRORS.labels(kind=f"api{err.status}").inc()
+            if from_handler:
+                raise kopf.TemporaryError(f"API error {err.status}: {err.reason}", delay=ERROR_RETRY_S) from None
+            raise
+        finally:
+            metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+        metrics.RECONCILES.labels(result="ok").inc()
+    if plan is not None and plan.invalid and from_handler:
+        raise kopf.PermanentError(plan.invalid)
+
+
+async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
+    namespace, name = key
+    body = await rt.kube.get_job(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        rt.phases.set(key, None)
+        return None
+    pods = await rt.kube.list_pods(namespace, name)
+    node_ready, scraped = await _observe(rt, body, pods)
+    plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped)
+    if plan.status is not None:
+        body = await rt.kube.patch_status(body, plan.status)  # state first, then act on it
+    await asyncio.gather(*(rt.kube.delete_pod(namespace, p) for p in plan.delete_pods))
+    if plan.launch:
+        job = builders.JobRef.from_body(body)
+        spec = builders.parse_spec(body["spec"])
+        await rt.kube.create(builders.build_service(job))
+        await rt.kube.apply_config_map(builders.build_config_map(job, spec))
+        created = await asyncio.gather(*(rt.kube.create(p) for p in plan.launch))
+        metrics.PODS_CREATED.inc(sum(created))
+        existing = [p["metadata"]["name"] for p, ok in zip(plan.launch, created) if not ok]
+        if existing and not await rt.kube.pods_owned_by(namespace, existing, job.uid):
+            # A pod of a deleted job with the same name still exists (garbage collection
+            # has not caught up): the gang is not launched until it is gone.
+            rt.enqueue(key, 1.0)
+            return plan
+        await rt.kube.merge_status(namespace, name, plan.launched_status or {})
+    if plan.delete_job:
+        await rt.kube.delete_job(namespace, name, body["metadata"]["uid"])
+    for ev in plan.events:
+        try:
+            await rt.kube.post_event(body, ev.type, ev.reason, ev.message)
+        except ApiException as err:  # an event is best effort; the status already says it
+            log.info("event %s for %s/%s not posted: %s", ev.reason, namespace, name, err.reason)
+    if plan.restart_cause:
+        metrics.RESTARTS.labels(cause=plan.restart_cause).inc()
+    rt.phases.set(key, (plan.status or body.get("status") or {}).get("phase"))
+    if plan.requeue_after is not None and not plan.delete_job:
+        rt.enqueue(key, plan.requeue_after)
+    return plan

@@ -1,0 +1,177 @@
+"""The few Kubernetes API calls the reconciler makes, as plain-dict async functions.
+
+The official client is synchronous; calls run in worker threads. Objects come back as the
+API server's own JSON (camelCase dicts), the same shape the pure code and kopf use.
+Idempotency lives here: create tolerates AlreadyExists, delete tolerates NotFound.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from . import api
+from .builders import LABEL_JOB
+
+
+class Conflict(Exception):
+    """The object changed since it was read; re-read and try again."""
+
+
+class Kube:
+    def __init__(self, client: kubernetes.client.ApiClient | None = None):
+        if client is None:
+            try:
+                kubernetes.config.load_incluster_config()
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config()
+            client = kubernetes.client.ApiClient()
+        self.client = client
+        self.core = kubernetes.client.CoreV1Api(client)
+        self.custom = kubernetes.client.CustomObjectsApi(client)
+        self._nodes: dict[str, tuple[float, bool | None]] = {}
+        self._nodes_forbidden = False
+
+    @staticmethod
+    async def _call(fn, *args, **kwargs) -> Any:
+        resp = await asyncio.to_thread(fn, *args, _preload_content=False, **kwargs)
+        data = resp.data
+        return json.loads(data) if data else None
+
+    # -- SFTJobs --------------------------------------------------------------------------
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._call(self.custom.get_namespaced_custom_object,
+                                    api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def list_jobs(self, namespaces: list[str] | None) -> list[dict[str, Any]]:
+        if not namespaces:
+            res = await self._call(self.custom.list_cluster_custom_object, api.GROUP, api.VERSION, api.PLURAL)
+            return res["items"]
+        items: list[dict[str, Any]] = []
+        for ns in namespaces:
+            res = await self._call(self.custom.list_namespaced_custom_object, api.GROUP, api.VERSION, ns, api.PLURAL)
+            items += res["items"]
+        return items
+
+    async def patch_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+        """Replace the fields of status we own, guarded by the resourceVersion we read."""
+        meta = body["metadata"]
+        old = body.get("status") or {}
+        patch_status = {**{k: None for k in old if k not in status and k != "kopf"}, **status}
+        patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch_status}
+        try:
+            return await asyncio.to_thread(
+                self.custom.patch_namespaced_custom_object_status,
+                api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"], patch)
+        except ApiException as err:
+            if err.status == 409:
+                raise Conflict(str(err.reason)) from None
+            raise
+
+    async def merge_status(self, namespace: str, name: str, fields: dict[str, Any]) -> None:
+        await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status,
+                                api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": fields})
+
+    async def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        body = kubernetes.client.V1DeleteOptions(propagation_policy="Background",
+                                                 preconditions=kubernetes.client.V1Preconditions(uid=uid))
+        try:
+            await asyncio.to_thread(self.custom.delete_namespaced_custom_object,
+                                    api.GROUP, api.VERSION, namespace, api.PLURAL, name, body=body)
+        except ApiException as err:
+            if err.status not in (404, 409):
+                raise
+
+    # -- children -------------------------------------------------------------------------
+    async def list_pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
+        res = await self._call(self.core.list_namespaced_pod, namespace, label_selector=f"{LABEL_JOB}={job_name}")
+        return res["items"]
+
+    async def create(self, manifest: dict[str, Any]) -> bool:
+        """Create a Pod, Service or ConfigMap; False when it already exists."""
+        ns = manifest["metadata"]["namespace"]
+        fn = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
+              "ConfigMap": self.core.create_namespaced_config_map}[manifest["kind"]]
+        try:
+            await asyncio.to_thread(fn, ns, manifest)
+            return True
+        except ApiException as err:
+            if err.status == 409:
+                return False
+            raise
+
+    async def apply_config_map(self, manifest: dict[str, Any]) -> None:
+        """Create the ConfigMap, or bring its data up to date (the grace period may change)."""
+        if not await self.create(manifest):
+            meta = manifest["metadata"]
+            await asyncio.to_thread(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"],
+                                    {"data": manifest["data"]})
+
+    async def pods_owned_by(self, namespace: str, names: list[str], uid: str) -> bool:
+        """Whether every named pod exists and belongs to the job with this uid."""
+        for name in names:
+            try:
+                pod = await self._call(self.core.read_namespaced_pod, name, namespace)
+            except ApiException as err:
+                if err.status == 404:
+                    return False
+                raise
+            if not any(o.get("uid") == uid for o in pod["metadata"].get("ownerReferences") or []):
+                return False
+        return True
+
+    async def delete_pod(self, namespace: str, name: str) -> None:
+        try:
+            await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace)
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    async def node_ready(self, names: set[str]) -> dict[str, bool]:
+        """Ready condition of the given nodes (cached 5 s); empty when RBAC forbids reading."""
+        out: dict[str, bool] = {}
+        if self._nodes_forbidden:
+            return out
+        now = time.monotonic()
+        for name in names:
+            cached = self._nodes.get(name)
+            if cached and now - cached[0] < 5.0:
+                ready = cached[1]
+            else:
+                try:
+                    node = await self._call(self.core.read_node, name)
+                    conds = (node.get("status") or {}).get("conditions") or []
+                    ready = next((x["status"] == "True" for x in conds if x.get("type") == "Ready"), None)
+                except ApiException as err:
+                    if err.status == 403:
+                        self._nodes_forbidden = True
+                        return {}
+                    ready = False if err.status == 404 else None  # a deleted node is a lost node
+                self._nodes[name] = (now, ready)
+            if ready is not None:
+                out[name] = ready
+        return out
+
+    async def post_event(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the SFTJob (what `kubectl describe sft` shows)."""
+        meta = body["metadata"]
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        event = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
+                               "name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "source": {"component": "sftjob-operator"}, "reportingComponent": "sftjob-operator",
+            "reportingInstance": "sftjob-operator",
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        await asyncio.to_thread(self.core.create_namespaced_event, meta["namespace"], event)

@@ -1,0 +1,294 @@
+"""The reconcile decision: (job, observed pods, clock) -> a plan. Pure; no I/O.
+
+Level-based: every pass recomputes everything from the SFTJob (spec + status) and the pods
+it observes, so a pass can be repeated or interrupted at any point. Everything the operator
+must remember lives in the job's status (attempt, launchedAttempt, restartAfter, ...), and
+the handler writes the new status *before* acting on it; a crash between the two leaves a
+status from which the next pass finishes the same actions. The one exception is
+`launchedAttempt`, written only after all pods of an attempt exist, so that a crash in
+the middle of creating a gang re-creates only the missing ranks and is not mistaken for a
+preemption.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from . import api, builders, failure_policy as fp
+from . import conditions as c
+from . import progress as prog
+
+TERMINAL = ("Succeeded", "Failed")
+PROGRESS_INTERVAL_S = 10.0   # how often a running job's progress is refreshed
+STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
+STALE_POLL_S = 2.0           # while old pods finish terminating
+
+
+@dataclass
+class Event:
+    type: str   # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    """What one reconcile pass decided. The handler applies it in field order."""
+
+    status: dict[str, Any] | None = None          # full new status, None when unchanged
+    launch: list[dict[str, Any]] = field(default_factory=list)   # pods to create
+    launched_status: dict[str, Any] | None = None  # merged into status once `launch` all exist
+    delete_pods: list[str] = field(default_factory=list)
+    delete_job: bool = False
+    events: list[Event] = field(default_factory=list)
+    requeue_after: float | None = None
+    restart_cause: str | None = None   # "preemption" | "failure", for metrics
+    invalid: str | None = None         # set when the spec cannot run: the handler raises PermanentError
+
+
+def iso(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(s: str | None) -> datetime | None:
+    if not s:
+        return None
+    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def initial_status() -> dict[str, Any]:
+    return api.SFTJobStatus().model_dump(by_alias=True, exclude_none=True)
+
+
+def _pod_attempt(pod: dict[str, Any]) -> int:
+    try:
+        return int(pod["metadata"].get("labels", {}).get(builders.LABEL_ATTEMPT, "-1"))
+    except ValueError:
+        return -1
+
+
+def _pod_rank(pod: dict[str, Any]) -> int:
+    return int(pod["metadata"]["labels"][builders.LABEL_RANK])
+
+
+class _Pass:
+    """One reconcile pass over one job; builds a Plan."""
+
+    def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], now: datetime,
+                 node_ready: dict[str, bool] | None, metrics: dict[str, float] | None):
+        self.body = body
+        self.meta = body["metadata"]
+        self.job = builders.JobRef.from_body(body)
+        self.generation = self.meta.get("generation")
+        self.old = body.get("status") or {}
+        st = initial_status()
+        st.update(copy.deepcopy({k: v for k, v in self.old.items() if k != "kopf"}))
+        self.st = st
+        self.pods = [p for p in pods if any(o.get("uid") == self.job.uid
+                                            for o in p["metadata"].get("ownerReferences") or [])]
+        self.now = now
+        self.node_ready = node_ready or {}
+        self.metrics = metrics
+        self.plan = Plan()
+
+    # -- helpers ------------------------------------------------------------------------
+    def set_phase(self, phase: str, reason: str, message: str) -> None:
+        self.st["phase"] = phase
+        self.st["message"] = message[: c.MAX_MESSAGE]
+        self.st["conditions"] = c.for_phase(self.st.get("conditions", []), phase, reason, message,
+                                            iso(self.now), self.generation)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        self.plan.events.append(Event(type_, reason, message))
+
+    def requeue(self, seconds: float) -> None:
+        seconds = max(0.5, seconds)
+        if self.plan.requeue_after is None or seconds < self.plan.requeue_after:
+            self.plan.requeue_after = seconds
+
+    def stop(self, pods: list[dict[str, Any]], finished_too: bool = False) -> None:
+        chosen = pods if finished_too else fp.pods_to_stop(pods)
+        for p in chosen:
+            if not p["metadata"].get("deletionTimestamp") and p["metadata"]["name"] not in self.plan.delete_pods:
+                self.plan.delete_pods.append(p["metadata"]["name"])
+
+    def fail(self, reason: str, message: str) -> None:
+        self.set_phase("Failed", reason, message)
+        self.st["completionTime"] = iso(self.now)
+        self.st.pop("restartAfter", None)
+        self.event("Warning", reason, message)
+        self.cleanup_finished()
+
+    def cleanup_finished(self) -> None:
+        """Pods of a finished job: running ones always stop; finished ones per cleanPodPolicy."""
+        policy = self.spec.run_policy.clean_pod_policy
+        self.stop(self.pods, finished_too=(policy == "All"))
+        ttl = self.spec.run_policy.ttl_seconds_after_finished
+        if ttl is not None:
+            done = parse_time(self.st.get("completionTime")) or self.now
+            left = (done + timedelta(seconds=ttl) - self.now).total_seconds()
+            if left <= 0:
+                self.plan.delete_job = True
+            else:
+                self.requeue(left)
+
+    # -- the pass -----------------------------------------------------------------------
+    def run(self) -> Plan:
+        try:
+            self.spec = builders.parse_spec(self.body.get("spec") or {})
+            builders.trainer_config(self.job, self.spec)
+        except builders.InvalidSpec as err:
+            if self.st.get("phase") != "Failed":
+                self.spec = None
+                self.set_phase("Failed", c.REASON_INVALID_SPEC, str(err))
+                self.st["completionTime"] = iso(self.now)
+                self.event("Warning", c.REASON_INVALID_SPEC, str(err))
+            self.plan.invalid = str(err)
+            return self.finish()
+        self.st["observedGeneration"] = self.generation
+        out = self.st.setdefault("output", {})
+        out["checkpointsUri"] = builders.output_dir(self.job, self.spec) + "/checkpoints"
+
+        phase = self.st.get("phase")
+        if phase in TERMINAL:
+            self.cleanup_finished()
+            return self.finish()
+        if phase is None:
+            self.set_phase("Pending", c.REASON_CREATED, "waiting for the gang to be created")
+        if self.spec.suspend:
+            self.suspend()
+            return self.finish()
+        if self.st.get("phase") == "Suspended":
+            self.set_phase("Pending", c.REASON_RESUMED, "resuming from the newest checkpoint")
+            self.st.pop("restartAfter", None)
+            self.event("Normal", c.REASON_RESUMED, "resuming from the newest checkpoint")
+        self.active()
+        return self.finish()
+
+    def suspend(self) -> None:
+        if self.st.get("phase") != "Suspended":
+            self.st["attempt"] = self.st.get("attempt", 0) + 1
+            self.st.pop("startTime", None)  # as for a batch/v1 Job: the deadline restarts on resume
+            self.st.pop("restartAfter", None)
+            self.set_phase("Suspended", c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
+            self.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
+        self.stop(self.pods, finished_too=True)
+        if any(p["metadata"].get("deletionTimestamp") for p in self.pods):
+            self.requeue(STALE_POLL_S)
+
+    def active(self) -> None:
+        attempt = self.st.get("attempt", 0)
+        current = {_pod_rank(p): p for p in self.pods if _pod_attempt(p) == attempt}
+        stale = [p for p in self.pods if _pod_attempt(p) != attempt]
+        if stale:
+            # An earlier gang still exists (or is still checkpointing): let it go first.
+            self.stop(stale, finished_too=True)
+            self.requeue(STALE_POLL_S)
+            return
+        restart_after = parse_time(self.st.get("restartAfter"))
+        if restart_after and self.now < restart_after:
+            self.requeue((restart_after - self.now).total_seconds())
+            return
+        rp = self.spec.run_policy
+        started = parse_time(self.st.get("startTime"))
+        if started and rp.active_deadline_seconds:
+            left = (started + timedelta(seconds=rp.active_deadline_seconds) - self.now).total_seconds()
+            if left <= 0:
+                self.fail(c.REASON_DEADLINE, f"runPolicy.activeDeadlineSeconds ({rp.active_deadline_seconds}) exceeded")
+                return
+            self.requeue(left)
+        if self.st.get("launchedAttempt") != attempt:
+            self.launch(attempt, current)
+            return
+        self.judge(attempt, current)
+
+    def launch(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
+        nodes = self.spec.resources.nodes
+        self.plan.launch = [builders.build_pod(self.job, self.spec, r, attempt)
+                            for r in range(nodes) if r not in current]
+        self.plan.launched_status = {"launchedAttempt": attempt, "launchTime": iso(self.now)}
+        self.requeue(STARTING_POLL_S)
+
+    def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
+        nodes = self.spec.resources.nodes
+        outcomes = {r: fp.classify_pod(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", "")))
+                    for r, p in current.items()}
+        verdict = fp.judge_gang(outcomes, nodes)
+        rp = self.spec.run_policy
+        if verdict.verdict is fp.Verdict.SUCCEEDED:
+            uri = builders.model_uri(self.job, self.spec)
+            self.st["output"]["uri"] = uri
+            self.st["completionTime"] = iso(self.now)
+            progress = self.st.setdefault("progress", {})
+            if progress.get("totalSteps"):
+                progress["step"] = progress["totalSteps"]
+                progress["summary"] = prog.summary(progress)
+            self.set_phase("Succeeded", c.REASON_SUCCEEDED, f"model exported to {uri}")
+            self.event("Normal", c.REASON_SUCCEEDED, f"every rank exited 0; model exported to {uri}")
+            self.cleanup_finished()
+        elif verdict.verdict is fp.Verdict.RESTART_FAILED:
+            restarts = self.st.setdefault("restarts", {})
+            if restarts.get("failures", 0) >= rp.backoff_limit:
+                self.fail(verdict.reason or c.REASON_BACKOFF_LIMIT,
+                          f"{c.REASON_BACKOFF_LIMIT}: {restarts.get('failures', 0) + 1} failed attempts "
+                          f"(runPolicy.backoffLimit {rp.backoff_limit}); last: {verdict.message}")
+            else:
+                self.restart("failure", verdict, current)
+        elif verdict.verdict is fp.Verdict.RESTART_PREEMPTED:
+            restarts = self.st.setdefault("restarts", {})
+            if restarts.get("preemptions", 0) >= rp.preemption_limit:
+                self.fail(c.REASON_PREEMPTION_LIMIT,
+                          f"{c.REASON_PREEMPTION_LIMIT}: runPolicy.preemptionLimit ({rp.preemption_limit}) "
+                          f"reached; last: {verdict.message}")
+            else:
+                self.restart("preemption", verdict, current)
+        elif verdict.verdict is fp.Verdict.STARTING:
+            launched = parse_time(self.st.get("launchTime")) or self.now
+            left = (launched + timedelta(seconds=rp.startup_deadline_seconds) - self.now).total_seconds()
+            if left <= 0:
+                why = f" ({verdict.stuck_reason})" if verdict.stuck_reason else ""
+                self.fail(c.REASON_STARTUP_DEADLINE,
+                          f"pods not all running {rp.startup_deadline_seconds}s after creation{why}")
+                return
+            if self.st.get("phase") == "Pending":
+                self.set_phase("Pending", c.REASON_PODS_STARTING, "waiting for every pod to run")
+            self.requeue(min(left, STARTING_POLL_S))
+        else:
+            if self.st.get("phase") != "Running":
+                self.set_phase("Running", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
+                self.event("Normal", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
+            self.st.setdefault("startTime", iso(self.now))
+            if self.metrics:
+                self.st["progress"] = prog.merge(self.st.get("progress", {}), self.metrics, iso(self.now))
+            self.requeue(PROGRESS_INTERVAL_S)
+
+    def restart(self, cause: str, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]]) -> None:
+        restarts = self.st.setdefault("restarts", {})
+        key = "failures" if cause == "failure" else "preemptions"
+        so_far = restarts.get("total", 0)
+        restarts[key] = restarts.get(key, 0) + 1
+        restarts["total"] = restarts.get("failures", 0) + restarts.get("preemptions", 0)
+        delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, so_far)
+        self.st["attempt"] = self.st.get("attempt", 0) + 1
+        self.st["restartAfter"] = iso(self.now + timedelta(seconds=delay))
+        reason = c.REASON_RESTART_FAILURE if cause == "failure" else c.REASON_RESTART_PREEMPTION
+        message = (f"{verdict.reason}: {verdict.message}; restarting the whole gang in {delay:.0f}s "
+                   f"(attempt {self.st['attempt']})")
+        self.set_phase("Restarting", reason, message)
+        self.event("Warning", reason, message)
+        self.plan.restart_cause = cause
+        self.stop(list(current.values()), finished_too=True)
+        self.requeue(max(delay, STALE_POLL_S))
+
+    def finish(self) -> Plan:
+        if self.st != {**initial_status(), **{k: v for k, v in self.old.items() if k != "kopf"}}:
+            self.plan.status = self.st
+        return self.plan
+
+
+def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,
+         node_ready: dict[str, bool] | None = None, metrics: dict[str, float] | None = None) -> Plan:
+    """Decide what to do for one SFTJob given its pods (see module docstring)."""
+    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics).run()

@@ -1,0 +1,87 @@
+"""Failure policy, table-driven: each pod ending maps to one cause."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+from .op_testkit import job_body, pods_for, terminated
+
+from sftjob_operator import failure_policy as fp
+
+pytestmark = pytest.mark.unit
+POD = pods_for(job_body())[0]
+
+
+def _with(**status):
+    pod = copy.deepcopy(POD)
+    pod["status"].update(status)
+    return pod
+
+
+def _deleted():
+    pod = copy.deepcopy(POD)
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return pod
+
+
+def _disrupted():
+    return _with(conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "PreemptionByScheduler",
+                              "message": "preempted by a higher-priority pod"}])
+
+
+@pytest.mark.parametrize("pod, state, reason", [
+    (POD, fp.State.RUNNING, ""),
+    (terminated(POD, 0), fp.State.SUCCEEDED, ""),
+    (terminated(POD, 2, "InvalidData: column 'prompt' missing"), fp.State.FAILED, "InvalidData"),
+    (terminated(POD, 1, "InvalidConfig: data.x: unknown key"), fp.State.FAILED, "InvalidConfig"),
+    (terminated(POD, 1, "Traceback ...\nsomething broke"), fp.State.FAILED, "TrainingError"),
+    (terminated(POD, 1, "Preempted: checkpoint step-7 committed"), fp.State.PREEMPTED, "Preempted"),
+    (terminated(POD, 143), fp.State.PREEMPTED, "Signalled"),
+    (terminated(POD, 137), fp.State.PREEMPTED, "Signalled"),
+    (terminated(POD, 130), fp.State.PREEMPTED, "Signalled"),
+    (terminated(POD, 137, reason="OOMKilled"), fp.State.FAILED, "OOMKilled"),
+    (_with(phase="Failed", reason="Evicted", message="low memory"), fp.State.PREEMPTED, "Evicted"),
+    (_with(phase="Failed", reason="NodeLost"), fp.State.PREEMPTED, "NodeLost"),
+    (_disrupted(), fp.State.PREEMPTED, "PreemptionByScheduler"),
+    (_deleted(), fp.State.PREEMPTED, "PodDeleted"),
+    (_with(phase="Pending", containerStatuses=[{"state": {"waiting": {"reason": "ImagePullBackOff"}}}]),
+     fp.State.PENDING, "ImagePullBackOff"),
+])
+def test_classify_pod(pod, state, reason):
+    out = fp.classify_pod(pod)
+    assert (out.state, out.reason) == (state, reason)
+
+
+def test_node_not_ready_is_preemption():
+    assert fp.classify_pod(POD, node_ready=False).state is fp.State.PREEMPTED
+    assert fp.classify_pod(POD, node_ready=None).state is fp.State.RUNNING
+
+
+def test_termination_message_parsing():
+    assert fp.parse_termination_message("InvalidData: no rows") == ("InvalidData", "no rows")
+    assert fp.parse_termination_message("log line\nTrainingError: nan loss") == ("TrainingError", "nan loss")
+    assert fp.parse_termination_message("plain text without reason")[0] == ""
+    assert fp.parse_termination_message(None) == ("", "")
+
+
+R, S, P, F = (fp.PodOutcome(fp.State.RUNNING), fp.PodOutcome(fp.State.SUCCEEDED),
+              fp.PodOutcome(fp.State.PREEMPTED, "Evicted", "x"), fp.PodOutcome(fp.State.FAILED, "InvalidData", "y"))
+
+
+@pytest.mark.parametrize("outcomes, verdict, reason", [
+    ({0: R, 1: R}, fp.Verdict.RUNNING, ""),
+    ({0: S, 1: R}, fp.Verdict.RUNNING, ""),
+    ({0: S, 1: S}, fp.Verdict.SUCCEEDED, ""),
+    ({0: R}, fp.Verdict.RESTART_PREEMPTED, "PodDeleted"),
+    ({0: R, 1: P}, fp.Verdict.RESTART_PREEMPTED, "Evicted"),
+    ({0: P, 1: F}, fp.Verdict.RESTART_FAILED, "InvalidData"),
+    ({0: R, 1: fp.PodOutcome(fp.State.PENDING, "ImagePullBackOff")}, fp.Verdict.STARTING, ""),
+])
+def test_judge_gang(outcomes, verdict, reason):
+    got = fp.judge_gang(outcomes, nodes=2)
+    assert (got.verdict, got.reason) == (verdict, reason)
+
+
+def test_restart_delay_doubles_and_caps():
+    assert [fp.restart_delay(10, n) for n in range(6)] == [10, 20, 40, 80, 160, 300]
+    assert fp.restart_delay(0, 5) == 0
