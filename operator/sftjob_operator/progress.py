@@ -49,11 +49,6 @@ def merge(progress: dict[str, Any], metrics: dict[str, float], now: str) -> dict
     """New status.progress; `updatedTime` moves only when a value changed, so an idle
     scrape does not rewrite the status."""
     new = {**progress, **metrics}
-    # A restarted trainer reports step 0 until it has loaded its checkpoint; never let the
-    # displayed step run backwards past the last committed checkpoint.
-    ckpt = progress.get("lastCheckpointStep")
-    if ckpt is not None and new.get("step", 0) < ckpt:
-        new["step"] = ckpt
     if "loss" in new and new["loss"] is not None:
         new["loss"] = round(float(new["loss"]), 4)
     if "tokensPerSecond" in new and new["tokensPerSecond"] is not None:

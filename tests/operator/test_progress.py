@@ -37,9 +37,3 @@ def test_merge_rounds_summarises_and_stamps_only_on_change():
     new = progress.merge({}, progress.parse_metrics(TEXT), "T1")
     assert (new["summary"], new["loss"], new["tokensPerSecond"], new["updatedTime"]) == ("12/40", 2.7183, 1234.6, "T1")
     assert progress.merge(new, progress.parse_metrics(TEXT), "T2")["updatedTime"] == "T1"
-
-
-def test_step_never_runs_back_behind_the_checkpoint():
-    before = {"step": 12, "lastCheckpointStep": 10, "totalSteps": 40}
-    after = progress.merge(before, {"step": 0, "totalSteps": 40}, "T")
-    assert after["step"] == 10 and after["summary"] == "10/40"

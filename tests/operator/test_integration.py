@@ -1,0 +1,387 @@
+"""Acceptance tests of the SFTJob operator on the local cluster, with real trainer pods.
+
+The operator runs as a real process (`sftjob-operator --all-namespaces`); the trainer pods
+are run by the local cluster's node agent on the tiny assets in its MinIO. Tests that take
+the operator down at random points (acceptance 6) do it during the preemption and suspend
+runs, and then check that no second gang ever ran beside the first and that no status
+counter ever went backwards.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import json
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.fixtures.cluster import wait_for
+
+from .operator_proc import OperatorProcess
+
+pytestmark = pytest.mark.cluster
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
+EXAMPLE = REPO / "examples" / "sftjob.yaml"
+JOBS = "/apis/sftjob.io/v1alpha1/namespaces/{ns}/sftjobs"
+
+
+# ---------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def crd(cluster):
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    cluster.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, crd, tmp_path_factory):
+    op = OperatorProcess(cluster.env, tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    print(f"operator log: {op.log_path}")
+
+
+@pytest.fixture
+def example_ns(cluster, namespace):
+    """`make example-assets NAMESPACE=<ns>` without make: assets in MinIO, Secret in ns."""
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "assets.py"), "--namespace", namespace],
+                         capture_output=True, text=True, env={**os.environ, **cluster.env},
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return namespace
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def example(name: str, **overrides: Any) -> dict[str, Any]:
+    """examples/sftjob.yaml with a new name and dotted spec overrides (None deletes)."""
+    obj = yaml.safe_load(EXAMPLE.read_text())
+    obj["metadata"]["name"] = name
+    for path, value in overrides.items():
+        node = obj["spec"]
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return obj
+
+
+def apply(cluster, ns: str, obj: dict[str, Any], check: bool = True):
+    return cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(obj), check=check)
+
+
+def get_job(cluster, ns: str, name: str) -> dict[str, Any]:
+    return cluster.kube.get(f"{JOBS.format(ns=ns)}/{name}")
+
+
+def pods_of(cluster, ns: str, name: str) -> list[dict[str, Any]]:
+    return cluster.kube.get(f"/api/v1/namespaces/{ns}/pods?labelSelector=sftjob.io/job-name%3D{name}")["items"]
+
+
+def live(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")
+            and p.get("status", {}).get("phase") not in ("Succeeded", "Failed")]
+
+
+def diagnose(cluster, ns: str, name: str, op: OperatorProcess) -> str:
+    try:
+        st = json.dumps(get_job(cluster, ns, name).get("status"), indent=1)[-3000:]
+    except Exception as err:  # noqa: BLE001
+        st = repr(err)
+    logs = "".join(f"\n--- {p['metadata']['name']}:\n{cluster.pod_log(ns, p['metadata']['name'])[-1500:]}"
+                   for p in pods_of(cluster, ns, name))
+    return f"status: {st}\npods:{logs}\noperator:\n{op.tail(3000)}"
+
+
+def wait_job(cluster, ns, name, op, pred, timeout=600, what="condition"):
+    try:
+        return wait_for(lambda: pred(get_job(cluster, ns, name)), timeout, interval=0.5, what=what)
+    except AssertionError as err:
+        raise AssertionError(f"{err}\n{diagnose(cluster, ns, name, op)}") from None
+
+
+def phase_is(*phases):
+    return lambda job: job if job.get("status", {}).get("phase") in phases else None
+
+
+def condition(job, ctype):
+    return next((c for c in job["status"].get("conditions", []) if c["type"] == ctype), None)
+
+
+class Recorder(threading.Thread):
+    """Samples the job and its pods until stopped, to check invariants afterwards."""
+
+    def __init__(self, cluster, ns: str, name: str):
+        super().__init__(daemon=True)
+        self.cluster, self.ns, self.name = cluster, ns, name
+        self.samples: list[tuple[float, dict, list]] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                job = get_job(self.cluster, self.ns, self.name)
+                pods = pods_of(self.cluster, self.ns, self.name)
+                self.samples.append((time.time(), job.get("status", {}), pods))
+            except Exception:  # noqa: BLE001 - a sample lost to an API hiccup is fine
+                pass
+            self.stopped.wait(0.5)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(10)
+
+    def check_invariants(self, nodes: int) -> None:
+        last = {"failures": 0, "preemptions": 0, "attempt": 0}
+        for t, status, pods in self.samples:
+            running = live(pods)
+            assert len(running) <= nodes, f"more live pods than ranks at {t}: {[p['metadata']['name'] for p in running]}"
+            attempts = {p["metadata"]["labels"]["sftjob.io/attempt"] for p in running}
+            assert len(attempts) <= 1, f"two gangs alive at once at {t}: {attempts}"
+            now = {**status.get("restarts", {}), "attempt": status.get("attempt", 0)}
+            for key, before in last.items():
+                assert now.get(key, 0) >= before, f"status {key} went back from {before} to {now.get(key)} at {t}"
+                last[key] = now.get(key, 0)
+
+
+class Chaos(threading.Thread):
+    """Kills the operator (SIGKILL) at random moments and starts it again."""
+
+    def __init__(self, op: OperatorProcess, seed: int):
+        super().__init__(daemon=True)
+        self.op, self.rng, self.kills = op, random.Random(seed), 0
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stopped.wait(self.rng.uniform(2.0, 10.0)):
+                self.op.kill()
+                self.kills += 1
+                time.sleep(self.rng.uniform(0.0, 2.0))
+                self.op.start()
+        except BaseException as err:  # noqa: BLE001
+            self.error = err
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(90)
+        if self.op.proc is None or self.op.proc.poll() is not None:
+            self.op.start()
+        assert self.error is None, self.error
+
+
+def checkpointed(step: int):
+    return lambda job: job if job.get("status", {}).get("phase") == "Running" and \
+        job["status"].get("progress", {}).get("lastCheckpointStep", 0) >= step else None
+
+
+# ---------------------------------------------------------------------------------- tests
+
+def test_example_runs_to_success_and_shows_progress(cluster, operator, example_ns):
+    """Acceptance 1: the example as written reaches Succeeded; kubectl get shows progress."""
+    ns = example_ns
+    cluster.kubectl("-n", ns, "apply", "-f", str(EXAMPLE))
+    seen = []
+
+    def progress_line(job):
+        out = cluster.kubectl("-n", ns, "get", "sft", "tiny-lora", "--no-headers").stdout
+        if "/40" in out:
+            seen.append(out.strip())
+        return job if job.get("status", {}).get("phase") in ("Succeeded", "Failed") else None
+
+    job = wait_job(cluster, ns, "tiny-lora", operator, progress_line, timeout=900, what="example to finish")
+    assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, "tiny-lora", operator)
+    assert seen, "kubectl get sft never showed step/total while running"
+    print("kubectl get sft while running:", seen[len(seen) // 2])
+    uri = job["status"]["output"]["uri"]
+    assert uri.startswith("s3://sftjob-examples/runs/") and uri.endswith("/hf/final")
+    bucket, key = uri[len("s3://"):].split("/", 1)
+    s3 = cluster.s3()
+    assert s3.head_object(Bucket=bucket, Key=f"{key}/config.json")
+    assert condition(job, "Ready")["status"] == "True"
+    assert job["status"]["restarts"] == {"failures": 0, "preemptions": 0, "total": 0}
+    assert job["status"]["progress"]["step"] == 40
+    assert not live(pods_of(cluster, ns, "tiny-lora"))
+
+
+def test_deleted_pod_restarts_gang_and_resumes(cluster, operator, example_ns):
+    """Acceptance 2 (+6): a deleted pod restarts the gang as a preemption, training resumes
+    from the checkpoint and succeeds, while the operator is killed at random moments."""
+    ns, name = example_ns, "preempted"
+    apply(cluster, ns, example(name, **{"checkpoint.interval": 5, "data.valFiles": [], "training.testFreq": 0}))
+    rec = Recorder(cluster, ns, name)
+    rec.start()
+    chaos = Chaos(operator, seed=int(time.time()))
+    try:
+        job = wait_job(cluster, ns, name, operator, checkpointed(5), what="a committed checkpoint")
+        chaos.start()
+        ckpt = job["status"]["progress"]["lastCheckpointStep"]
+        cluster.kubectl("-n", ns, "delete", "pod", f"{name}-node-1", "--wait=false")
+        wait_job(cluster, ns, name, operator,
+                 lambda j: j if j.get("status", {}).get("restarts", {}).get("preemptions") == 1 else None,
+                 timeout=120, what="the preemption to be counted")
+        job = wait_job(cluster, ns, name, operator, phase_is("Succeeded", "Failed"), timeout=900, what="success")
+    finally:
+        chaos.stop()
+        rec.stop()
+    assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, name, operator)
+    assert job["status"]["restarts"] == {"failures": 0, "preemptions": 1, "total": 1}
+    print(f"operator killed {chaos.kills} times; checkpoint before deletion: step {ckpt}")
+    rec.check_invariants(nodes=2)
+    after = [s.get("progress", {}).get("step") for _, s, _ in rec.samples if s.get("attempt", 0) >= 1
+             and s.get("phase") == "Running"]
+    assert all(step is None or step >= ckpt for step in after), f"step went back below {ckpt}: {after}"
+    assert "resumed from" in cluster.pod_log(ns, f"{name}-node-0")
+
+
+def test_bad_data_fails_after_backoff_limit(cluster, operator, example_ns):
+    """Acceptance 3: exit 2 (missing column) spends backoffLimit, then Failed with the
+    trainer's reason; no pod is left running."""
+    ns, name = example_ns, "bad-data"
+    apply(cluster, ns, example(name, **{"data.promptKey": "no_such_column", "runPolicy.backoffLimit": 1,
+                                        "runPolicy.restartBackoffSeconds": 1}))
+    job = wait_job(cluster, ns, name, operator, phase_is("Failed", "Succeeded"), timeout=600, what="failure")
+    assert job["status"]["phase"] == "Failed"
+    failed = condition(job, "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "InvalidData", failed
+    assert "BackoffLimitExceeded" in failed["message"]
+    assert job["status"]["restarts"]["failures"] == 1 and job["status"]["restarts"]["preemptions"] == 0
+    wait_for(lambda: not live(pods_of(cluster, ns, name)), 120, what="no running pods")
+    events = cluster.kubectl("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}",
+                             "-o", "json").stdout
+    reasons = {e["reason"] for e in json.loads(events)["items"]}
+    assert {"RestartingAfterFailure", "InvalidData"} <= reasons, reasons
+
+
+def test_suspend_and_resume(cluster, operator, example_ns):
+    """Acceptance 4 (+6): suspend stops the pods (phase Suspended); resume continues from
+    the checkpoint to success, with the operator killed at random moments."""
+    ns, name = example_ns, "suspended"
+    apply(cluster, ns, example(name, **{"checkpoint.interval": 5, "data.valFiles": [], "training.testFreq": 0}))
+    rec = Recorder(cluster, ns, name)
+    rec.start()
+    chaos = Chaos(operator, seed=int(time.time()) + 1)
+    try:
+        wait_job(cluster, ns, name, operator, checkpointed(5), what="a committed checkpoint")
+        chaos.start()
+        cluster.kubectl("-n", ns, "patch", "sft", name, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+        wait_job(cluster, ns, name, operator, phase_is("Suspended"), timeout=120, what="Suspended")
+        wait_for(lambda: not pods_of(cluster, ns, name), 120, what="pods gone")
+        ckpt = get_job(cluster, ns, name)["status"]["progress"].get("lastCheckpointStep", 0)
+        cluster.kubectl("-n", ns, "patch", "sft", name, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+        job = wait_job(cluster, ns, name, operator, phase_is("Succeeded", "Failed"), timeout=900, what="success")
+    finally:
+        chaos.stop()
+        rec.stop()
+    assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, name, operator)
+    assert job["status"]["restarts"]["total"] == 0
+    rec.check_invariants(nodes=2)
+    assert "resumed from" in cluster.pod_log(ns, f"{name}-node-0")
+    print(f"operator killed {chaos.kills} times; resumed from step {ckpt}")
+
+
+def test_deleting_job_removes_children(cluster, operator, namespace):
+    """Acceptance 7: owner references garbage-collect every child; no finalizer is involved."""
+    ns, name = namespace, "deleted"
+    apply(cluster, ns, example(name, **{"resources.nodeSelector": {"sftjob.io/no-such-node": "x"}}))
+    wait_for(lambda: len(pods_of(cluster, ns, name)) == 2, 60, what="pods created")
+    assert not get_job(cluster, ns, name)["metadata"].get("finalizers")
+    cluster.kubectl("-n", ns, "delete", "sft", name, "--wait=true", "--timeout=60s")
+    for path in (f"/api/v1/namespaces/{ns}/services/{name}", f"/api/v1/namespaces/{ns}/configmaps/{name}-config"):
+        cluster.wait_gone(path, 60)
+    wait_for(lambda: not pods_of(cluster, ns, name), 60, what="pods garbage-collected")
+
+
+def test_apply_to_all_pods_created_latency(cluster, operator, namespace):
+    """Apply -> all pods exist, over 20 two-node jobs (pods pinned to no node, so only the
+    operator's work is measured, not the trainer's start-up)."""
+    ns, lat = namespace, []
+    for i in range(20):
+        name = f"lat-{i}"
+        obj = example(name, **{"resources.nodeSelector": {"sftjob.io/no-such-node": "x"}})
+        t0 = time.monotonic()
+        apply(cluster, ns, obj)
+        wait_for(lambda: len(pods_of(cluster, ns, name)) == 2, 60, interval=0.05, what=f"pods of {name}")
+        lat.append(time.monotonic() - t0)
+    p50 = statistics.median(lat)
+    print(f"apply->all-pods-created over {len(lat)} jobs: p50 {p50:.2f}s, max {max(lat):.2f}s "
+          f"(includes kubectl start-up)")
+    assert p50 < 10
+
+
+INVALID = [
+    ("missing model", {"model": None}, "spec.model: Required value"),
+    ("missing model path", {"model.path": None}, "spec.model.path: Required value"),
+    ("missing train files", {"data.trainFiles": None}, "spec.data.trainFiles: Required value"),
+    ("empty train files", {"data.trainFiles": []}, "spec.data.trainFiles"),
+    ("micro-batch does not divide batch", {"data.trainBatchSize": 6}, "spec.data.trainBatchSize"),
+    ("negative nodes", {"resources.nodes": -1}, "spec.resources.nodes"),
+    ("zero processes", {"resources.processesPerNode": 0}, "spec.resources.processesPerNode"),
+    ("bad model URI scheme", {"model.path": "http://example.com/m"}, "spec.model.path"),
+    ("bad data URI scheme", {"data.trainFiles": ["gs://b/train.parquet"]}, "spec.data.trainFiles[0]"),
+    ("bad storage URI scheme", {"storage.uri": "hdfs://x/y"}, "spec.storage.uri"),
+    ("credentials inline", {"storage.accessKeyId": "AKIA0000"}, 'unknown field "spec.storage.accessKeyId"'),
+    ("secret key inline", {"storage.credentialsSecretRef.secretAccessKey": "s"},
+     'unknown field "spec.storage.credentialsSecretRef.secretAccessKey"'),
+    ("zero learning rate", {"training.optim.lr": 0}, "spec.training.optim.lr"),
+    ("unknown scheduler", {"training.optim.lrScheduler": "linear"}, "spec.training.optim.lrScheduler"),
+    ("negative LoRA rank", {"training.lora.rank": -8}, "spec.training.lora.rank"),
+    ("bad truncation", {"data.truncation": "middle"}, "spec.data.truncation"),
+    ("negative backoff limit", {"runPolicy.backoffLimit": -1}, "spec.runPolicy.backoffLimit"),
+    ("bad clean pod policy", {"runPolicy.cleanPodPolicy": "Sometimes"}, "spec.runPolicy.cleanPodPolicy"),
+    ("zero steps", {"training.totalTrainingSteps": 0}, "spec.training.totalTrainingSteps"),
+    ("endpoint without s3", {"storage.uri": "/data/runs"}, "spec.storage.endpoint"),
+    ("bad secret name", {"storage.credentialsSecretRef.name": "Not_A_Name"}, "spec.storage.credentialsSecretRef.name"),
+    ("typo in a section", {"checkpoint.intervall": 5}, 'unknown field "spec.checkpoint.intervall"'),
+]
+
+
+def test_invalid_specs_are_rejected_naming_the_field(cluster, crd, namespace):
+    """Acceptance 5: kubectl apply refuses each invalid SFTJob with the field's name."""
+    failures = []
+    for i, (what, overrides, expected) in enumerate(INVALID):
+        res = apply(cluster, namespace, example(f"invalid-{i}", **overrides), check=False)
+        if res.returncode == 0 or expected not in res.stderr:
+            failures.append(f"{what}: rc={res.returncode} stderr={res.stderr.strip()[:400]}")
+    bad_name = example("x" * 60)
+    res = apply(cluster, namespace, bad_name, check=False)
+    if res.returncode == 0 or "metadata.name" not in res.stderr:
+        failures.append(f"long name: {res.stderr.strip()[:300]}")
+    assert not failures, "\n".join(failures)
+    assert len(INVALID) >= 15
+
+
+def test_immutable_fields_are_rejected_on_update(cluster, crd, namespace):
+    """CEL transition rules: what cannot change mid-run is refused with the field's name."""
+    obj = example("immutable", **{"suspend": True})
+    apply(cluster, namespace, obj)
+    for path, value, expected in (("model.path", "s3://sftjob-examples/models/other", "model is immutable"),
+                                  ("resources.nodes", 4, "resources.nodes is immutable"),
+                                  ("training.optim.lr", 0.5, "training is immutable")):
+        changed = copy.deepcopy(obj)
+        node = changed["spec"]
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+        if path == "resources.nodes":
+            changed["spec"]["data"]["trainBatchSize"] = 8
+        res = apply(cluster, namespace, changed, check=False)
+        assert res.returncode != 0 and expected in res.stderr, (path, res.stderr)
+    ok = copy.deepcopy(obj)
+    ok["spec"]["runPolicy"]["backoffLimit"] = 5  # run policy may change
+    apply(cluster, namespace, ok)
