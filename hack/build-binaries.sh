@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Build the local cluster's binaries from the Go module proxy into a version-keyed cache.
+#
+#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok ...]   (default: all, in that order)
+#   hack/build-binaries.sh --print-dirs                     (print NAME=DIR per component)
+#
+# Each component lands in ${SFTJOB_CACHE:-$HOME/.cache/sftjob}/<name>-<version>/bin and is
+# marked complete with a .built stamp written last, so an interrupted build is redone and a
+# finished one is never rebuilt. Go's own module and build caches (GOMODCACHE/GOCACHE) stay at
+# Go's defaults so that every checkout of the repo on this machine shares them.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=versions.env
+source "$HERE/versions.env"
+CACHE="${SFTJOB_CACHE:-$HOME/.cache/sftjob}"
+
+export GOTOOLCHAIN=local   # never download a toolchain behind our back
+export CGO_ENABLED=0       # static binaries, as upstream ships them
+export GOFLAGS="${GOFLAGS:--buildvcs=false}"
+GO_P="${SFTJOB_GO_P:-2}"   # build parallelism: these machines have 2 cores shared by everyone
+
+dir_of() {
+  case "$1" in
+    k8s) echo "$CACHE/k8s-$K8S_VERSION" ;;
+    etcd) echo "$CACHE/etcd-$ETCD_VERSION" ;;
+    helm) echo "$CACHE/helm-$HELM_VERSION" ;;
+    minio) echo "$CACHE/minio-$MINIO_VERSION" ;;
+    kwok) echo "$CACHE/kwok-$KWOK_VERSION" ;;
+    *) echo "unknown component $1" >&2; return 1 ;;
+  esac
+}
+
+log() { printf '[build-binaries %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
+
+# begin NAME: returns 1 (skip) when already built, else prepares DIR/src and DIR/bin.tmp.
+begin() {
+  local d; d="$(dir_of "$1")"
+  if [[ -f "$d/.built" ]]; then
+    log "$1: cached in $d"
+    return 1
+  fi
+  log "$1: building into $d"
+  rm -rf "$d/bin.tmp" "$d/src"
+  mkdir -p "$d/src" "$d/bin.tmp"
+  START=$SECONDS
+}
+
+# finish NAME: publish bin.tmp as bin, then write the stamp (last, so it means "complete").
+finish() {
+  local d; d="$(dir_of "$1")"
+  rm -rf "$d/bin"
+  mv "$d/bin.tmp" "$d/bin"
+  printf 'built=%s seconds=%s go=%s\n' "$(date -u +%FT%TZ)" "$((SECONDS - START))" "$(go env GOVERSION)" >"$d/.built"
+  log "$1: done in $((SECONDS - START))s: $(ls "$d/bin" | tr '\n' ' ')"
+}
+
+build_k8s() {
+  begin k8s || return 0
+  local d src minor ver=$K8S_VERSION
+  d="$(dir_of k8s)"; src="$d/src"
+  minor="$(echo "$ver" | cut -d. -f2)"
+  # k8s.io/kubernetes requires its staging modules at v0.0.0 and maps them to ./staging with
+  # replace lines, which Go ignores in a dependency. Re-create them here, pointing at the
+  # published v0.MINOR.PATCH tags; the list is read from the real go.mod, not hard-coded.
+  local gomod staging
+  gomod="$(go mod download -json "k8s.io/kubernetes@$ver" | sed -n 's/^\s*"GoMod": "\(.*\)",$/\1/p')"
+  staging="$(go mod edit -json "$gomod" | python3 -c '
+import json, sys
+mod = json.load(sys.stdin)
+for r in mod.get("Require") or []:
+    p = r["Path"]
+    if p.startswith("k8s.io/") and r["Version"] == "v0.0.0":
+        print(p)')"
+  local goline
+  goline="$(go mod edit -json "$gomod" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Go"])')"
+  {
+    echo "module local/sftjob-k8s-binaries"
+    echo
+    echo "go $goline"
+    # Go honours only the main module's godebug defaults; use the ones upstream builds with.
+    echo "godebug default=go$(echo "$goline" | cut -d. -f1,2)"
+    echo
+    echo "require k8s.io/kubernetes $ver"
+    echo
+    echo "tool ("
+    for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do echo "	k8s.io/kubernetes/cmd/$c"; done
+    echo ")"
+    echo
+    echo "replace ("
+    for p in $staging; do echo "	$p => $p v0.${ver#v1.}"; done
+    echo ")"
+  } >"$src/go.mod"
+  (cd "$src" && go mod tidy)
+  # Stamp the version the way kubernetes' hack/lib/version.sh does: without it the server
+  # reports v0.0.0-master+$Format:%H$, kubectl version fails and helm's kubeVersion checks break.
+  local ldf="-s -w" pkg
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldf+=" -X $pkg.gitVersion=$ver -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+    ldf+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%FT%TZ)"
+  done
+  (cd "$src" && go build -p "$GO_P" -trimpath -ldflags "$ldf" -o "$d/bin.tmp/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+  finish k8s
+}
+
+# A wrapper module that has MOD@VER as its only requirement and builds PKG as a tool. Used for
+# etcd, whose go.mod has replace lines (so `go install mod@ver` refuses it), and the others for
+# uniformity (their own pinned dependency versions are what MVS picks, as with go install).
+build_wrapped() {
+  local name=$1 mod=$2 ver=$3 pkg=$4 out=$5 ldf=${6:-}
+  begin "$name" || return 0
+  local d src; d="$(dir_of "$name")"; src="$d/src"
+  printf 'module local/sftjob-%s-binary\n\ngo 1.26.0\n\nrequire %s %s\n\ntool %s\n' \
+    "$name" "$mod" "$ver" "$pkg" >"$src/go.mod"
+  (cd "$src" && go mod tidy)
+  (cd "$src" && go build -p "$GO_P" -trimpath -ldflags "-s -w $ldf" -o "$d/bin.tmp/$out" "$pkg")
+  finish "$name"
+}
+
+build_etcd() {
+  build_wrapped etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3 etcd
+}
+
+build_helm() {
+  local minor; minor="$(echo "$K8S_VERSION" | cut -d. -f2)"
+  # helm v3 falls back to k8s 1.20 for offline `helm template` unless told otherwise, and
+  # reports a bare "v3.21" as its own version; stamp both.
+  build_wrapped helm helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm helm \
+    "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor"
+}
+
+build_minio() {
+  build_wrapped minio github.com/minio/minio "$MINIO_VERSION" github.com/minio/minio minio
+}
+
+build_kwok() {
+  build_wrapped kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok
+  # kwok v0.8 ships no default Stages; keep the stock ones next to the binary.
+  local d; d="$(dir_of kwok)"
+  if [[ ! -d "$d/stage" ]]; then
+    cp -r "$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage" "$d/stage.tmp"
+    chmod -R u+w "$d/stage.tmp" && mv "$d/stage.tmp" "$d/stage"
+  fi
+}
+
+if [[ "${1:-}" == "--print-dirs" ]]; then
+  for c in k8s etcd helm minio kwok; do echo "$c=$(dir_of "$c")"; done
+  exit 0
+fi
+
+components=("$@")
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd helm minio kwok)
+for c in "${components[@]}"; do
+  dir_of "$c" >/dev/null
+  "build_$c"
+done

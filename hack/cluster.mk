@@ -1,0 +1,23 @@
+# Local Kubernetes cluster for tests and the demo (issue 3). Included by the top Makefile.
+# Binaries are built from the Go module proxy into ${SFTJOB_CACHE:-~/.cache/sftjob}; versions
+# live in hack/versions.env; runtime state goes to .cluster/ (gitignored).
+
+# cluster-down/status work even before the venv exists (they need only the standard library).
+CLUSTER_PY = $(if $(wildcard $(PY)),$(PY),python3)
+
+.PHONY: cluster-build cluster-up cluster-down cluster-status cluster-env
+
+cluster-build: ## Build (or reuse cached) kube-apiserver/controller-manager/scheduler/kubectl, etcd, helm, minio, kwok
+	hack/build-binaries.sh
+
+cluster-up: install ## Start the local cluster (etcd, API server, controllers, scheduler, MinIO, node agent); no-op when up
+	$(PY) -m hack.localcluster up
+
+cluster-down: ## Stop every cluster process (pods included) and remove .cluster/
+	$(CLUSTER_PY) -m hack.localcluster down
+
+cluster-status: ## Report the health of each cluster component
+	$(CLUSTER_PY) -m hack.localcluster status
+
+cluster-env: ## Print the shell exports of .cluster/env (KUBECONFIG, AWS_*, PATH)
+	@$(CLUSTER_PY) -m hack.localcluster env

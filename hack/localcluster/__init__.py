@@ -1,0 +1,13 @@
+"""A real local Kubernetes cluster for tests and the demo, without docker.
+
+    from hack import localcluster
+    cfg = localcluster.up()            # build missing binaries, start what is not running
+    localcluster.env()                 # KUBECONFIG, AWS_* and PATH as in .cluster/env
+    localcluster.node_lost("sftjob-node-1")
+    localcluster.down()
+
+CLI: python -m hack.localcluster {up,down,status,env,node-lost,node-restore}
+"""
+from .cluster import down, env, is_up, kubeconfig_path, leftover_processes, status, up  # noqa: F401
+from .config import ClusterConfig, bin_dir, load  # noqa: F401
+from .nodes import node_lost, node_restore  # noqa: F401

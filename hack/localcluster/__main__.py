@@ -1,0 +1,43 @@
+"""python -m hack.localcluster {up,down,status,env,node-lost NODE [--delete-pods],node-restore NODE}"""
+import argparse
+import sys
+
+from . import cluster, nodes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python -m hack.localcluster")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("up", help="build missing binaries and start the cluster (no-op when up)")
+    sub.add_parser("down", help="stop every process of the cluster and remove its state")
+    sub.add_parser("status", help="health of each component; exit 1 unless all are healthy")
+    sub.add_parser("env", help="print the shell exports of .cluster/env")
+    p = sub.add_parser("node-lost", help="simulate the loss of a node")
+    p.add_argument("node")
+    p.add_argument("--delete-pods", action="store_true", help="also force-delete its pods")
+    p = sub.add_parser("node-restore", help="bring a lost node back")
+    p.add_argument("node")
+    a = ap.parse_args()
+    if a.cmd == "up":
+        cfg = cluster.up()
+        print(f"cluster up: source {cfg.env_file}")
+    elif a.cmd == "down":
+        cluster.down()
+    elif a.cmd == "status":
+        st = cluster.status()
+        for name, ok in st.items():
+            print(f"{name:26s} {'ok' if ok else 'DOWN'}")
+        cfg = cluster.C.load()
+        if all(st.values()):
+            print(f"kubeconfig: {cfg.kubeconfig}\nenv:        {cfg.env_file}\npod logs:   {cfg.pods_dir}/<ns>_<pod>/<container>.log")
+        return 0 if all(st.values()) else 1
+    elif a.cmd == "env":
+        print(cluster.C.load().env_file.read_text(), end="")
+    elif a.cmd == "node-lost":
+        nodes.node_lost(a.node, delete_pods=a.delete_pods)
+    elif a.cmd == "node-restore":
+        nodes.node_restore(a.node)
+    return 0
+
+
+sys.exit(main())

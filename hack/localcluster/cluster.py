@@ -1,0 +1,475 @@
+"""Start, inspect and stop the local cluster: etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler, MinIO and the node agent, all as plain processes of this machine.
+
+Every component is started detached (its own session, reparented away from the caller) with a
+pid file and a log under the state directory, so a cluster started by `make cluster-up` outlives
+that command and can be reused by any later test session.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from . import config as C
+from .kube import ApiError, Kube
+
+# Start order; stop order is the reverse.
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "minio", "node-agent")
+
+# The controllers this cluster needs (names from kube-controller-manager --help): garbage
+# collection, namespace deletion, service accounts and their tokens, endpoints for headless
+# Services, workload controllers used by Helm charts (Deployment/ReplicaSet/Job), the
+# kube-root-ca.crt publisher for projected service-account volumes, PodDisruptionBudget status for
+# the Eviction API, NoExecute taint eviction and pod garbage collection for node loss.
+KCM_CONTROLLERS = ",".join([
+    "garbage-collector-controller", "namespace-controller", "serviceaccount-controller",
+    "serviceaccount-token-controller", "endpoints-controller", "endpointslice-controller",
+    "endpointslice-mirroring-controller", "job-controller", "replicaset-controller",
+    "deployment-controller", "statefulset-controller", "ttl-after-finished-controller",
+    "root-ca-certificate-publisher-controller", "disruption-controller",
+    "taint-eviction-controller", "pod-garbage-collector-controller",
+    # the built-in admin/edit/view ClusterRoles are assembled by aggregation
+    "clusterrole-aggregation-controller",
+])
+
+
+def log(msg: str) -> None:
+    print(f"[localcluster {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# binaries
+
+
+def ensure_binaries(components=("k8s", "etcd", "helm", "minio", "kwok")) -> None:
+    """Build what is missing from the cache (a no-op when everything is cached). Raises when a
+    build fails, so a test session that needs the cluster fails instead of skipping."""
+    missing = [c for c in components if not (C.bin_dir(c).parent / ".built").exists()]
+    if missing:
+        log(f"building {' '.join(missing)} (cold cache: this takes a while on 2 cores)")
+        subprocess.run([str(C.HACK / "build-binaries.sh"), *missing], check=True)
+
+
+def kube_bin(name: str) -> str:
+    return str(C.bin_dir("k8s") / name)
+
+
+# --------------------------------------------------------------------------------------------
+# processes
+
+
+def _pid(cfg: C.ClusterConfig, name: str) -> int | None:
+    try:
+        return int((cfg.pids / f"{name}.pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int | None, marker: str) -> bool:
+    """True when pid runs and its command line mentions marker (guards against pid reuse).
+    Zombies have an empty command line, so they count as dead."""
+    if not pid:
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return marker in cmdline
+
+
+def _marker(cfg: C.ClusterConfig, name: str) -> str:
+    # Every component's command line names the state directory, so the marker both identifies
+    # the component and tells two clusters apart.
+    return str(cfg.state_dir)
+
+
+def _start(cfg: C.ClusterConfig, name: str, argv: list[str], env: dict | None = None) -> None:
+    logf = cfg.logs / f"{name}.log"
+    # `sh -c 'cmd & echo $!'` detaches the component from the caller: it keeps running after
+    # `make cluster-up` or the test session that started it returns.
+    script = 'exec 0</dev/null; "$@" >>"$LOG" 2>&1 & echo $!'
+    out = subprocess.run(["setsid", "sh", "-c", script, "sh", *argv], check=True, capture_output=True,
+                         text=True, env={**(env or os.environ), "LOG": str(logf)}, cwd=str(C.REPO))
+    pid = int(out.stdout.strip())
+    (cfg.pids / f"{name}.pid").write_text(str(pid))
+    log(f"started {name} (pid {pid}, log {logf})")
+
+
+def _stop(cfg: C.ClusterConfig, name: str, timeout: float = 20) -> None:
+    pid = _pid(cfg, name)
+    if _alive(pid, _marker(cfg, name)):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.time() + timeout
+        while time.time() < deadline and _alive(pid, _marker(cfg, name)):
+            time.sleep(0.2)
+        if _alive(pid, _marker(cfg, name)):
+            log(f"{name} ignored SIGTERM for {timeout}s: SIGKILL")
+            os.kill(pid, signal.SIGKILL)
+        log(f"stopped {name} (pid {pid})")
+    (cfg.pids / f"{name}.pid").unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------------------
+# health
+
+
+def _https_ok(url: str, cafile: Path | None = None, token: str | None = None) -> bool:
+    ctx = ssl.create_default_context(cafile=str(cafile)) if cafile else ssl._create_unverified_context()
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=3) as resp:
+            return resp.status == 200
+    except Exception:
+        return False
+
+
+def _healthy(cfg: C.ClusterConfig, name: str) -> bool:
+    if not _alive(_pid(cfg, name), _marker(cfg, name)):
+        return False
+    if name == "etcd":
+        return _https_ok(f"http://127.0.0.1:{cfg.etcd_port}/health")
+    if name == "kube-apiserver":
+        return _https_ok(f"{cfg.apiserver_url}/readyz", cfg.pki / "ca.crt")
+    if name == "kube-controller-manager":
+        return _https_ok(f"https://127.0.0.1:{cfg.kcm_port}/healthz")
+    if name == "kube-scheduler":
+        return _https_ok(f"https://127.0.0.1:{cfg.scheduler_port}/healthz")
+    if name == "minio":
+        return _https_ok(f"{cfg.s3_endpoint}/minio/health/live")
+    if name == "node-agent":
+        try:
+            kube = Kube.from_state(cfg)
+            for node in cfg.nodes:
+                conds = kube.get(f"/api/v1/nodes/{node}")["status"].get("conditions", [])
+                if not any(c["type"] == "Ready" for c in conds):
+                    return False
+            return True
+        except Exception:
+            return False
+    raise ValueError(name)
+
+
+def _wait(cfg: C.ClusterConfig, name: str, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if _healthy(cfg, name):
+            return
+        if not _alive(_pid(cfg, name), _marker(cfg, name)):
+            break
+        time.sleep(0.5)
+    tail = ""
+    logf = cfg.logs / f"{name}.log"
+    if logf.exists():
+        tail = "\n".join(logf.read_text(errors="replace").splitlines()[-30:])
+    raise RuntimeError(f"{name} did not become healthy; last log lines:\n{tail}")
+
+
+def status(cfg: C.ClusterConfig | None = None) -> dict[str, bool]:
+    """Health of every component: {"etcd": True, ...}."""
+    cfg = cfg or C.load()
+    return {name: _healthy(cfg, name) for name in COMPONENTS}
+
+
+def is_up(cfg: C.ClusterConfig | None = None) -> bool:
+    return all(status(cfg).values())
+
+
+# --------------------------------------------------------------------------------------------
+# network, certificates, credentials
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), check=check, capture_output=True, text=True)
+
+
+def ensure_bridge(cfg: C.ClusterConfig) -> None:
+    """The bridge carries the host's address in the cluster subnet; pods hang off it."""
+    if _sh("ip", "link", "show", cfg.bridge, check=False).returncode != 0:
+        _sh("ip", "link", "add", cfg.bridge, "type", "bridge")
+    addr = f"{cfg.host_ip}/{cfg.subnet.prefixlen}"
+    if addr not in _sh("ip", "-o", "addr", "show", "dev", cfg.bridge).stdout:
+        _sh("ip", "addr", "add", addr, "dev", cfg.bridge)
+    _sh("ip", "link", "set", cfg.bridge, "up")
+
+
+def remove_network(cfg: C.ClusterConfig) -> None:
+    """Delete this cluster's pod network namespaces (killing anything left in them) and bridge."""
+    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        if ns.startswith(cfg.netns_prefix):
+            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except OSError:
+                    pass
+            _sh("ip", "netns", "del", ns, check=False)
+    for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
+        dev = line.split(":")[1].strip().split("@")[0]
+        if dev.startswith(cfg.netns_prefix):
+            _sh("ip", "link", "del", dev, check=False)
+    _sh("ip", "link", "del", cfg.bridge, check=False)
+
+
+def ensure_pki(cfg: C.ClusterConfig) -> None:
+    """A CA, an API server certificate valid for every address clients use (host, pods, the
+    in-cluster service names) and the service-account signing key."""
+    pki = cfg.pki
+    if (pki / "apiserver.crt").exists():
+        return
+    pki.mkdir(parents=True, exist_ok=True)
+    _sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+        "-keyout", str(pki / "ca.key"), "-out", str(pki / "ca.crt"), "-subj", "/CN=sftjob-local-ca",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        "-addext", "subjectKeyIdentifier=hash")
+    sans = [f"IP:{cfg.host_ip}", "IP:127.0.0.1", "IP:10.96.0.1", "DNS:localhost", "DNS:kubernetes",
+            "DNS:kubernetes.default", "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"]
+    (pki / "apiserver.ext").write_text(
+        "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n"
+        f"subjectAltName={','.join(sans)}\n")
+    _sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "apiserver.key"),
+        "-out", str(pki / "apiserver.csr"), "-subj", "/CN=kube-apiserver")
+    _sh("openssl", "x509", "-req", "-in", str(pki / "apiserver.csr"), "-CA", str(pki / "ca.crt"),
+        "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
+        "-extfile", str(pki / "apiserver.ext"), "-out", str(pki / "apiserver.crt"))
+    _sh("openssl", "genrsa", "-out", str(pki / "sa.key"), "2048")
+
+
+def ensure_secrets(cfg: C.ClusterConfig) -> dict:
+    if cfg.secrets_file.exists():
+        return json.loads(cfg.secrets_file.read_text())
+    data = {
+        "admin_token": secrets.token_hex(24),
+        "s3_access_key": "sftjob-" + secrets.token_hex(4),
+        "s3_secret_key": secrets.token_hex(16),
+    }
+    cfg.secrets_file.write_text(json.dumps(data))
+    cfg.secrets_file.chmod(0o600)
+    # Static token users: "token,user,uid,groups". The admin is in system:masters; every other
+    # identity (ServiceAccounts) authenticates with real signed tokens from the TokenRequest API.
+    (cfg.pki / "tokens.csv").write_text(f'{data["admin_token"]},sftjob-admin,sftjob-admin,"system:masters"\n')
+    return data
+
+
+def write_client_files(cfg: C.ClusterConfig, sec: dict) -> None:
+    ca = base64.b64encode((cfg.pki / "ca.crt").read_bytes()).decode()
+    cfg.kubeconfig.write_text(f"""apiVersion: v1
+kind: Config
+clusters:
+- name: sftjob-local
+  cluster:
+    server: {cfg.apiserver_url}
+    certificate-authority-data: {ca}
+users:
+- name: sftjob-admin
+  user:
+    token: {sec["admin_token"]}
+contexts:
+- name: sftjob-local
+  context:
+    cluster: sftjob-local
+    user: sftjob-admin
+    namespace: default
+current-context: sftjob-local
+""")
+    cfg.kubeconfig.chmod(0o600)
+    lines = {k: v for k, v in env(cfg).items() if k != "PATH"}
+    text = "".join(f"export {k}={v}\n" for k, v in lines.items())
+    text += f'export PATH={C.bin_dir("k8s")}:{C.bin_dir("helm")}:$PATH\n'
+    cfg.env_file.write_text(text)
+
+
+def env(cfg: C.ClusterConfig | None = None) -> dict[str, str]:
+    """The variables of .cluster/env as a dict (PATH with the cached kubectl and helm first)."""
+    cfg = cfg or C.load()
+    sec = json.loads(cfg.secrets_file.read_text())
+    return {
+        "KUBECONFIG": str(cfg.kubeconfig),
+        "AWS_ENDPOINT_URL": cfg.s3_endpoint,
+        "AWS_ACCESS_KEY_ID": sec["s3_access_key"],
+        "AWS_SECRET_ACCESS_KEY": sec["s3_secret_key"],
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "PATH": f'{C.bin_dir("k8s")}:{C.bin_dir("helm")}:{os.environ.get("PATH", "")}',
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# component command lines
+
+
+def _argv(cfg: C.ClusterConfig, name: str, sec: dict) -> tuple[list[str], dict | None]:
+    d, pki, kc = cfg.state_dir, cfg.pki, str(cfg.kubeconfig)
+    if name == "etcd":
+        peer = f"http://127.0.0.1:{cfg.etcd_peer_port}"
+        client = f"http://127.0.0.1:{cfg.etcd_port}"
+        return [str(C.bin_dir("etcd") / "etcd"), "--name=sftjob", f"--data-dir={d}/etcd",
+                f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=sftjob={peer}",
+                # a throwaway test database: durability is not worth the fsync latency
+                "--unsafe-no-fsync=true", "--log-level=warn"], None
+    if name == "kube-apiserver":
+        return [kube_bin("kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{cfg.etcd_port}",
+                # The bridge address is a real interface of this host, reachable from the pods,
+                # so it serves as both bind and advertise address (a loopback advertise address
+                # breaks the `kubernetes` Service endpoint reconciler).
+                f"--bind-address={cfg.host_ip}", f"--advertise-address={cfg.host_ip}",
+                f"--secure-port={cfg.apiserver_port}",
+                f"--tls-cert-file={pki}/apiserver.crt", f"--tls-private-key-file={pki}/apiserver.key",
+                f"--client-ca-file={pki}/ca.crt",
+                "--service-cluster-ip-range=10.96.0.0/16", "--authorization-mode=RBAC",
+                f"--token-auth-file={pki}/tokens.csv", "--allow-privileged=true",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki}/sa.key",
+                f"--service-account-signing-key-file={pki}/sa.key",
+                "--profiling=false", f"--cert-dir={pki}/generated"], None
+    if name == "kube-controller-manager":
+        return [kube_bin("kube-controller-manager"), f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+                "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={cfg.kcm_port}",
+                f"--cert-dir={pki}/kcm", f"--controllers={KCM_CONTROLLERS}",
+                f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt"], None
+    if name == "kube-scheduler":
+        conf = d / "scheduler.yaml"
+        conf.write_text("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n"
+                        f"clientConnection:\n  kubeconfig: {kc}\nleaderElection:\n  leaderElect: false\n")
+        return [kube_bin("kube-scheduler"), f"--config={conf}", "--bind-address=127.0.0.1",
+                f"--secure-port={cfg.scheduler_port}", f"--cert-dir={pki}/scheduler",
+                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}"], None
+    if name == "minio":
+        e = {**os.environ, "MINIO_ROOT_USER": sec["s3_access_key"], "MINIO_ROOT_PASSWORD": sec["s3_secret_key"],
+             "MINIO_BROWSER": "off", "MINIO_UPDATE": "off"}
+        return [str(C.bin_dir("minio") / "minio"), "server", f"{d}/minio", "--quiet",
+                f"--address={cfg.host_ip}:{cfg.minio_port}",
+                f"--console-address=127.0.0.1:{cfg.minio_port + 1}"], e
+    if name == "node-agent":
+        return [sys.executable, "-m", "hack.localcluster.nodeagent", "--state-dir", str(d)], None
+    raise ValueError(name)
+
+
+# --------------------------------------------------------------------------------------------
+# up / down
+
+
+def up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.ClusterConfig:
+    """Build missing binaries, then start whatever is not running. A no-op on a healthy cluster."""
+    cfg = cfg or C.load()
+    t0 = time.time()
+    ensure_binaries()
+    st = status(cfg)
+    if all(st.values()):
+        log(f"cluster already up ({cfg.state_dir})")
+        return cfg
+    if not any(_alive(_pid(cfg, n), _marker(cfg, n)) for n in COMPONENTS):
+        # Nothing of it runs (first start, or a machine that lost its processes): start clean
+        # instead of resurrecting stale pods and half-written state.
+        _clean(cfg)
+    for sub in ("logs", "pids", "pods"):
+        (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
+    ensure_bridge(cfg)
+    ensure_pki(cfg)
+    sec = ensure_secrets(cfg)
+    write_client_files(cfg, sec)
+    for name in COMPONENTS:
+        if st.get(name):
+            continue
+        if _alive(_pid(cfg, name), _marker(cfg, name)):
+            _stop(cfg, name)  # running but unhealthy: restart it
+        argv, e = _argv(cfg, name, sec)
+        _start(cfg, name, argv, e)
+        _wait(cfg, name, timeout)
+        if name == "kube-apiserver":
+            _wait_default_ready(cfg)
+    _wait_service_accounts(cfg, timeout)
+    log(f"cluster up in {time.time() - t0:.1f}s: source {cfg.env_file}")
+    return cfg
+
+
+def _wait_default_ready(cfg: C.ClusterConfig) -> None:
+    kube = Kube.from_state(cfg)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            kube.get("/api/v1/namespaces/default")
+            return
+        except (ApiError, OSError):
+            time.sleep(0.5)
+    raise RuntimeError("namespace default never appeared")
+
+
+def _wait_service_accounts(cfg: C.ClusterConfig, timeout: float) -> None:
+    """Pods are refused until their namespace has a `default` ServiceAccount (created by the
+    controller manager) and projected volumes need kube-root-ca.crt: wait for both."""
+    kube = Kube.from_state(cfg)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            kube.get("/api/v1/namespaces/default/serviceaccounts/default")
+            kube.get("/api/v1/namespaces/default/configmaps/kube-root-ca.crt")
+            return
+        except (ApiError, OSError):
+            time.sleep(0.5)
+    raise RuntimeError("default ServiceAccount/kube-root-ca.crt never appeared: is kube-controller-manager running?")
+
+
+def _clean(cfg: C.ClusterConfig) -> None:
+    remove_network(cfg)
+    if cfg.state_dir.exists():
+        # mount points the agent had to create on the host for pod volumes (empty directories)
+        created = cfg.state_dir / "created-mountpoints"
+        if created.exists():
+            for p in sorted(set(created.read_text().split("\n")), key=len, reverse=True):
+                if p:
+                    try:
+                        Path(p).rmdir() if Path(p).is_dir() else Path(p).unlink()
+                    except OSError:
+                        pass
+        shutil.rmtree(cfg.state_dir, ignore_errors=True)
+
+
+def down(cfg: C.ClusterConfig | None = None) -> None:
+    """Stop every process of the cluster (pods included) and remove its state and network."""
+    cfg = cfg or C.load()
+    if cfg.pids.exists():
+        for name in reversed(COMPONENTS):
+            _stop(cfg, name)
+    _clean(cfg)
+    log(f"cluster down ({cfg.state_dir} removed)")
+
+
+def kubeconfig_path(cfg: C.ClusterConfig | None = None) -> Path:
+    return (cfg or C.load()).kubeconfig
+
+
+def leftover_processes(cfg: C.ClusterConfig | None = None) -> list[str]:
+    """Live (non-zombie) processes that belong to this cluster: a command line naming its state
+    directory, or living in one of its pod network namespaces."""
+    cfg = cfg or C.load()
+    out = []
+    me = os.getpid()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == me:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd and str(cfg.state_dir) in cmd:
+            out.append(f"{d.name}: {cmd[:200]}")
+    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
+        ns = line.split()[0] if line.split() else ""
+        if ns.startswith(cfg.netns_prefix):
+            out += [f"{p}: in netns {ns}" for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+    return out

@@ -1,0 +1,131 @@
+"""Where the local cluster lives and how it is wired: every knob in one place.
+
+All values can be overridden by environment variables so that a second, independent cluster
+(different state directory, ports and subnet) can run next to the first one, which is what the
+lifecycle test does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HACK = REPO / "hack"
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for line in (HACK / "versions.env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            out[key] = value
+    return out
+
+
+VERSIONS = _versions()
+
+# The node agent simulates the loss of a Node carrying this annotation (see nodes.node_lost).
+LOST_ANNOTATION = "localcluster.sftjob.io/lost"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SFTJOB_CACHE") or Path.home() / ".cache" / "sftjob")
+
+
+def bin_dir(component: str) -> Path:
+    """The cached bin/ directory of one component (k8s, etcd, helm, minio, kwok)."""
+    key = {"k8s": "K8S_VERSION", "etcd": "ETCD_VERSION", "helm": "HELM_VERSION",
+           "minio": "MINIO_VERSION", "kwok": "KWOK_VERSION"}[component]
+    return cache_dir() / f"{component}-{VERSIONS[key]}" / "bin"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    state_dir: Path
+    # The bridge that pod network namespaces hang off. Its address is also where the API server
+    # and MinIO listen, so that the host and the pods reach them at the same URL.
+    bridge: str
+    subnet: ipaddress.IPv4Network
+    apiserver_port: int
+    etcd_port: int
+    etcd_peer_port: int
+    minio_port: int
+    kcm_port: int
+    scheduler_port: int
+    nodes: tuple[str, ...]
+    node_cpu: str
+    node_memory: str
+    node_pods: str
+    # Prefix of the network namespaces and veth devices this cluster creates (short: the Linux
+    # interface name limit is 15 characters).
+    netns_prefix: str
+
+    @property
+    def host_ip(self) -> str:
+        return str(self.subnet.network_address + 1)
+
+    def node_subnet(self, index: int) -> ipaddress.IPv4Network:
+        """Node i hands out pod IPs from the i+1-th /24 of the cluster subnet."""
+        return list(self.subnet.subnets(new_prefix=24))[index + 1]
+
+    @property
+    def apiserver_url(self) -> str:
+        return f"https://{self.host_ip}:{self.apiserver_port}"
+
+    @property
+    def s3_endpoint(self) -> str:
+        return f"http://{self.host_ip}:{self.minio_port}"
+
+    # Files under the state directory.
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "kubeconfig"
+
+    @property
+    def env_file(self) -> Path:
+        return self.state_dir / "env"
+
+    @property
+    def pki(self) -> Path:
+        return self.state_dir / "pki"
+
+    @property
+    def logs(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def pids(self) -> Path:
+        return self.state_dir / "pids"
+
+    @property
+    def pods_dir(self) -> Path:
+        return self.state_dir / "pods"
+
+    @property
+    def secrets_file(self) -> Path:
+        return self.state_dir / "secrets.json"
+
+
+def load(environ: dict[str, str] | None = None) -> ClusterConfig:
+    e = os.environ if environ is None else environ
+    n_nodes = int(e.get("SFTJOB_NODES", "2"))
+    prefix = e.get("SFTJOB_NODE_PREFIX", "sftjob-node-")
+    return ClusterConfig(
+        state_dir=Path(e.get("SFTJOB_CLUSTER_DIR") or REPO / ".cluster").resolve(),
+        bridge=e.get("SFTJOB_CLUSTER_BRIDGE", "sftjob0"),
+        subnet=ipaddress.ip_network(e.get("SFTJOB_CLUSTER_SUBNET", "10.244.0.0/16")),
+        apiserver_port=int(e.get("SFTJOB_APISERVER_PORT", "6443")),
+        etcd_port=int(e.get("SFTJOB_ETCD_PORT", "2379")),
+        etcd_peer_port=int(e.get("SFTJOB_ETCD_PEER_PORT", "2380")),
+        minio_port=int(e.get("SFTJOB_MINIO_PORT", "9000")),
+        kcm_port=int(e.get("SFTJOB_KCM_PORT", "10257")),
+        scheduler_port=int(e.get("SFTJOB_SCHEDULER_PORT", "10259")),
+        nodes=tuple(f"{prefix}{i}" for i in range(n_nodes)),
+        node_cpu=e.get("SFTJOB_NODE_CPU", "8"),
+        node_memory=e.get("SFTJOB_NODE_MEMORY", "32Gi"),
+        node_pods=e.get("SFTJOB_NODE_PODS", "20"),
+        netns_prefix=e.get("SFTJOB_NETNS_PREFIX", "sftj"),
+    )

@@ -1,0 +1,103 @@
+"""A very small Kubernetes REST client on the standard library.
+
+The control-plane scripts and the node agent use it instead of the `kubernetes` package so that
+`make cluster-up` needs nothing beyond python3 (the project's .venv is only needed by the pods).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import urllib.parse
+from typing import Any, Iterator
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: str, method: str, path: str):
+        self.status = status
+        self.body = body
+        try:
+            self.reason = json.loads(body).get("reason", "")
+            message = json.loads(body).get("message", body)
+        except ValueError:
+            self.reason, message = "", body
+        super().__init__(f"{method} {path}: {status} {message}")
+
+
+class Kube:
+    def __init__(self, server: str, token: str, cafile: str | None):
+        url = urllib.parse.urlsplit(server)
+        self.host, self.port = url.hostname, url.port or 443
+        self.token = token
+        self.ctx = ssl.create_default_context(cafile=cafile) if cafile else ssl._create_unverified_context()
+
+    @classmethod
+    def from_state(cls, cfg) -> "Kube":
+        secrets = json.loads(cfg.secrets_file.read_text())
+        return cls(cfg.apiserver_url, secrets["admin_token"], str(cfg.pki / "ca.crt"))
+
+    def _conn(self, timeout: float) -> http.client.HTTPSConnection:
+        return http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=timeout)
+
+    def request(self, method: str, path: str, body: Any = None, params: dict | None = None,
+                content_type: str = "application/json", timeout: float = 30) -> Any:
+        if params:
+            path += "?" + urllib.parse.urlencode(params)
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = content_type
+        conn = self._conn(timeout)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            text = resp.read().decode()
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            raise ApiError(resp.status, text, method, path)
+        return json.loads(text) if text else None
+
+    def get(self, path: str, **params) -> Any:
+        return self.request("GET", path, params=params or None)
+
+    def create(self, path: str, body: Any) -> Any:
+        return self.request("POST", path, body)
+
+    def put(self, path: str, body: Any) -> Any:
+        return self.request("PUT", path, body)
+
+    def merge_patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, body, content_type="application/merge-patch+json")
+
+    def strategic_patch(self, path: str, body: Any) -> Any:
+        return self.request("PATCH", path, body, content_type="application/strategic-merge-patch+json")
+
+    def delete(self, path: str, body: Any = None) -> Any:
+        return self.request("DELETE", path, body)
+
+    def watch(self, path: str, resource_version: str, timeout_s: int = 300, **extra: str) -> Iterator[dict]:
+        """Yield watch events until the server ends the watch (after about timeout_s). extra:
+        more query parameters (fieldSelector, labelSelector)."""
+        params = {"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
+                  "timeoutSeconds": str(timeout_s), **extra}
+        conn = self._conn(timeout_s + 30)
+        try:
+            conn.request("GET", path + "?" + urllib.parse.urlencode(params),
+                         headers={"Authorization": f"Bearer {self.token}"})
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                raise ApiError(resp.status, resp.read().decode(), "WATCH", path)
+            while True:
+                try:
+                    line = resp.readline()
+                except (socket.timeout, OSError):
+                    return
+                if not line:
+                    return
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            conn.close()

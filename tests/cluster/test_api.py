@@ -1,0 +1,195 @@
+"""The local cluster is a real API server: schema + CEL validation, garbage collection, RBAC with
+ServiceAccount tokens, and the kubectl / helm clients all behave as in production."""
+from __future__ import annotations
+
+import json
+import ssl
+import textwrap
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from tests.fixtures.cluster import wait_for
+
+pytestmark = pytest.mark.cluster
+
+
+def crd_yaml(group: str) -> str:
+    return textwrap.dedent(f"""\
+        apiVersion: apiextensions.k8s.io/v1
+        kind: CustomResourceDefinition
+        metadata:
+          name: widgets.{group}
+        spec:
+          group: {group}
+          scope: Namespaced
+          names: {{plural: widgets, singular: widget, kind: Widget}}
+          versions:
+          - name: v1
+            served: true
+            storage: true
+            schema:
+              openAPIV3Schema:
+                type: object
+                properties:
+                  spec:
+                    type: object
+                    required: [minReplicas, maxReplicas]
+                    properties:
+                      minReplicas: {{type: integer, minimum: 0}}
+                      maxReplicas: {{type: integer}}
+                    x-kubernetes-validations:
+                    - rule: "self.minReplicas <= self.maxReplicas"
+                      message: "minReplicas must not exceed maxReplicas"
+        """)
+
+
+def widget(name: str, lo: int, hi: int, group: str) -> str:
+    return f"apiVersion: {group}/v1\nkind: Widget\nmetadata: {{name: {name}}}\nspec: {{minReplicas: {lo}, maxReplicas: {hi}}}\n"
+
+
+@pytest.fixture
+def crd_group(cluster):
+    group = f"t{uuid.uuid4().hex[:8]}.sftjob.test"
+    cluster.kubectl("apply", "-f", "-", input=crd_yaml(group))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/widgets.{group}", "--timeout=60s")
+    yield group
+    cluster.kubectl("delete", f"crd/widgets.{group}", "--wait=false", check=False)
+
+
+def test_crd_schema_and_cel_rule_reject_bad_objects(cluster, namespace, crd_group):
+    bad = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget("bad", 5, 2, crd_group), check=False)
+    assert bad.returncode != 0
+    assert "minReplicas must not exceed maxReplicas" in bad.stderr
+
+    # the structural schema itself (type and minimum) is enforced too
+    neg = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget("neg", -1, 2, crd_group), check=False)
+    assert neg.returncode != 0 and "should be greater than or equal to 0" in neg.stderr
+
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget("good", 1, 3, crd_group))
+    got = json.loads(cluster.kubectl("get", "-n", namespace, f"widgets.{crd_group}", "good", "-o", "json").stdout)
+    assert got["spec"] == {"minReplicas": 1, "maxReplicas": 3}
+
+
+def test_owned_child_is_garbage_collected(cluster, namespace, crd_group):
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=widget("owner", 1, 2, crd_group))
+    owner = json.loads(cluster.kubectl("get", "-n", namespace, f"widgets.{crd_group}", "owner", "-o", "json").stdout)
+    child = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "child", "ownerReferences": [{
+            "apiVersion": f"{crd_group}/v1", "kind": "Widget", "name": "owner",
+            "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]},
+        "data": {"k": "v"},
+    }
+    orphan = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "unowned"}}
+    cluster.kube.create(f"/api/v1/namespaces/{namespace}/configmaps", child)
+    cluster.kube.create(f"/api/v1/namespaces/{namespace}/configmaps", orphan)
+    cluster.kubectl("delete", "-n", namespace, f"widgets.{crd_group}", "owner")
+    # the garbage collector learns about new CRDs from discovery every 30 s
+    cluster.wait_gone(f"/api/v1/namespaces/{namespace}/configmaps/child", timeout=90)
+    assert cluster.kube.get(f"/api/v1/namespaces/{namespace}/configmaps/unowned")
+
+
+def test_serviceaccount_token_needs_rbac(cluster, namespace):
+    cluster.kubectl("create", "serviceaccount", "robot", "-n", namespace)
+    token = cluster.kubectl("create", "token", "robot", "-n", namespace, "--duration=10m").stdout.strip()
+    ctx = ssl.create_default_context(cafile=str(cluster.cfg.pki / "ca.crt"))
+    url = f"{cluster.cfg.apiserver_url}/api/v1/namespaces/{namespace}/configmaps"
+
+    def get() -> int:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            assert e.code != 401, "the ServiceAccount token must authenticate"
+            if e.code == 403:
+                assert f"system:serviceaccount:{namespace}:robot" in e.read().decode()
+            return e.code
+
+    assert get() == 403
+    cluster.kubectl("create", "role", "cm-reader", "-n", namespace, "--verb=get,list", "--resource=configmaps")
+    cluster.kubectl("create", "rolebinding", "robot-reads", "-n", namespace, "--role=cm-reader",
+                    f"--serviceaccount={namespace}:robot")
+    wait_for(lambda: get() == 200, 30, what="RoleBinding to take effect")
+    # still scoped: another verb stays forbidden
+    assert "no" in cluster.kubectl("auth", "can-i", "delete", "configmaps", "-n", namespace,
+                                   f"--as=system:serviceaccount:{namespace}:robot", check=False).stdout
+
+
+def test_kubectl_apply_get_wait(cluster, namespace):
+    manifest = textwrap.dedent("""\
+        apiVersion: v1
+        kind: ConfigMap
+        metadata: {name: settings}
+        data: {greeting: hello}
+        ---
+        apiVersion: v1
+        kind: Pod
+        metadata: {name: waiter, labels: {app: waiter}}
+        spec:
+          restartPolicy: Never
+          containers:
+          - name: main
+            image: sftjob/not-pulled:latest
+            command: [python, -c, "import time; time.sleep(300)"]
+        """)
+    out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest).stdout
+    assert "configmap/settings created" in out and "pod/waiter created" in out
+    again = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest).stdout
+    assert "unchanged" in again
+    cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/waiter", "--timeout=90s")
+    got = cluster.kubectl("get", "-n", namespace, "pod", "waiter", "-o", "jsonpath={.status.phase} {.spec.nodeName}").stdout
+    phase, node = got.split()
+    assert phase == "Running" and node in cluster.cfg.nodes
+    assert "hello" in cluster.kubectl("get", "-n", namespace, "cm", "settings", "-o", "jsonpath={.data.greeting}").stdout
+    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)
+    from hack.localcluster.config import VERSIONS
+
+    assert version["serverVersion"]["gitVersion"] == VERSIONS["K8S_VERSION"]
+    assert version["clientVersion"]["gitVersion"] == VERSIONS["K8S_VERSION"]
+    cluster.kubectl("delete", "-n", namespace, "pod", "waiter", "--grace-period=1")
+
+
+def test_helm_install_small_chart(cluster, namespace, tmp_path):
+    chart = tmp_path / "tiny"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: tiny\nversion: 0.1.0\nkubeVersion: '>=1.30.0-0'\n")
+    (chart / "values.yaml").write_text("message: hi\nreplicas: 1\n")
+    (chart / "templates" / "all.yaml").write_text(textwrap.dedent("""\
+        apiVersion: v1
+        kind: ConfigMap
+        metadata: {name: {{ .Release.Name }}-config}
+        data:
+          message: {{ .Values.message | quote }}
+          kube: {{ .Capabilities.KubeVersion.Version | quote }}
+        ---
+        apiVersion: apps/v1
+        kind: Deployment
+        metadata: {name: {{ .Release.Name }}-app}
+        spec:
+          replicas: {{ .Values.replicas }}
+          selector: {matchLabels: {app: {{ .Release.Name }}}}
+          template:
+            metadata: {labels: {app: {{ .Release.Name }}}}
+            spec:
+              terminationGracePeriodSeconds: 2
+              containers:
+              - name: app
+                image: example/app:1
+                command: [python, -c, "import time; time.sleep(3600)"]
+        """))
+    cluster.helm("install", "rel", str(chart), "-n", namespace, "--set", "message=from-helm", "--wait", "--timeout", "120s")
+    releases = json.loads(cluster.helm("list", "-n", namespace, "-o", "json").stdout)
+    assert [(r["name"], r["status"]) for r in releases] == [("rel", "deployed")]
+    cm = cluster.kube.get(f"/api/v1/namespaces/{namespace}/configmaps/rel-config")
+    assert cm["data"]["message"] == "from-helm"
+    from hack.localcluster.config import VERSIONS
+
+    assert cm["data"]["kube"] == VERSIONS["K8S_VERSION"]
+    dep = cluster.kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/rel-app")
+    assert dep["status"].get("readyReplicas") == 1
+    cluster.helm("uninstall", "rel", "-n", namespace, "--wait", "--timeout", "60s")
+    cluster.wait_gone(f"/api/v1/namespaces/{namespace}/configmaps/rel-config")
