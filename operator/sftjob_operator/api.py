@@ -295,7 +295,8 @@ class SFTJobSpec(_Spec):
     """A supervised fine-tuning run: model + data + training config, run as a gang of pods."""
 
     model_config = ConfigDict(json_schema_extra=_rules(
-        _cel("self.data.trainBatchSize % (self.resources.nodes * self.resources.processesPerNode"
+        _cel("self.resources.nodes * self.resources.processesPerNode * self.data.microBatchSizePerGpu <= 0"
+             " || self.data.trainBatchSize % (self.resources.nodes * self.resources.processesPerNode"
              " * self.data.microBatchSizePerGpu) == 0",
              "data.trainBatchSize must be a multiple of data.microBatchSizePerGpu times the world size "
              "(resources.nodes * resources.processesPerNode)",

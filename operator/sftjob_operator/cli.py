@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     kopf.configure(verbose=args.verbose,
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    if not args.verbose:
+        # kopf logs every pod event it handles ("Handler ... succeeded"); the operator's own
+        # log lines (sftjob_operator) say what was decided and done.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    logging.getLogger("sftjob_operator").setLevel(logging.INFO)
     metrics.serve(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     kopf.run(

@@ -213,13 +213,20 @@ async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
     node_ready, scraped = await _observe(rt, body, pods)
     plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped)
     if plan.status is not None:
+        before = body.get("status") or {}
         body = await rt.kube.patch_status(body, plan.status)  # state first, then act on it
+        if (before.get("phase"), before.get("attempt")) != (plan.status.get("phase"), plan.status.get("attempt")):
+            log.info("%s/%s: phase %s, attempt %s, restarts %s", namespace, name, plan.status.get("phase"),
+                     plan.status.get("attempt"), plan.status.get("restarts"))
+    if plan.delete_pods:
+        log.info("%s/%s: deleting pods %s", namespace, name, plan.delete_pods)
     await asyncio.gather(*(rt.kube.delete_pod(namespace, p) for p in plan.delete_pods))
     if plan.launch:
         job = builders.JobRef.from_body(body)
         spec = builders.parse_spec(body["spec"])
         await rt.kube.create(builders.build_service(job))
         await rt.kube.apply_config_map(builders.build_config_map(job, spec))
+        log.info("%s/%s: creating pods %s", namespace, name, [p["metadata"]["name"] for p in plan.launch])
         created = await asyncio.gather(*(rt.kube.create(p) for p in plan.launch))
         metrics.PODS_CREATED.inc(sum(created))
         existing = [p["metadata"]["name"] for p, ok in zip(plan.launch, created) if not ok]
