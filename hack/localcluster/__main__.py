@@ -1,8 +1,8 @@
-"""python -m hack.localcluster {up,down,status,env,node-lost NODE [--delete-pods],node-restore NODE}"""
+"""python -m hack.localcluster {up,down,status,env,node-lost NODE [--delete-pods],node-restore NODE,kwok-up,kwok-down}"""
 import argparse
 import sys
 
-from . import cluster, nodes
+from . import cluster, kwok, nodes
 
 
 def main() -> int:
@@ -17,6 +17,9 @@ def main() -> int:
     p.add_argument("--delete-pods", action="store_true", help="also force-delete its pods")
     p = sub.add_parser("node-restore", help="bring a lost node back")
     p.add_argument("node")
+    p = sub.add_parser("kwok-up", help="start kwok with N fake nodes (scale tests)")
+    p.add_argument("--nodes", type=int, default=10)
+    sub.add_parser("kwok-down", help="stop kwok and delete the fake nodes")
     a = ap.parse_args()
     if a.cmd == "up":
         cfg = cluster.up()
@@ -37,6 +40,10 @@ def main() -> int:
         nodes.node_lost(a.node, delete_pods=a.delete_pods)
     elif a.cmd == "node-restore":
         nodes.node_restore(a.node)
+    elif a.cmd == "kwok-up":
+        print("\n".join(kwok.kwok_up(a.nodes)))
+    elif a.cmd == "kwok-down":
+        kwok.kwok_down()
     return 0
 
 

@@ -443,7 +443,7 @@ def down(cfg: C.ClusterConfig | None = None) -> None:
     """Stop every process of the cluster (pods included) and remove its state and network."""
     cfg = cfg or C.load()
     if cfg.pids.exists():
-        for name in reversed(COMPONENTS):
+        for name in ("kwok",) + tuple(reversed(COMPONENTS)):  # kwok is optional (kwok.kwok_up)
             _stop(cfg, name)
     _clean(cfg)
     log(f"cluster down ({cfg.state_dir} removed)")

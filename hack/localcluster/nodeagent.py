@@ -439,7 +439,7 @@ class PodRunner(threading.Thread):
                 except OSError:
                     pass
 
-    def _stop(self, grace: float) -> None:
+    def _stop_containers(self, grace: float) -> None:
         """SIGTERM, wait up to grace seconds, then SIGKILL everything left in the sandbox."""
         if any(c.proc and c.proc.poll() is None for c in self.inits + self.containers):
             log(f"{self.ns}/{self.name}: stopping (grace {grace}s)")
@@ -569,7 +569,7 @@ class PodRunner(threading.Thread):
         grace = md.get("deletionGracePeriodSeconds")
         if grace is None:
             grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
-        self._stop(float(grace))
+        self._stop_containers(float(grace))
         self._final_phase()
         self.push_status()
         self._finish_deletion()
@@ -593,7 +593,7 @@ class PodRunner(threading.Thread):
 
     def _killed(self) -> None:
         reason = self.kill_reason
-        self._stop(0)
+        self._stop_containers(0)
         if reason == "NodeLost":
             self.phase = "Failed"
             self.reason = "NodeLost"
