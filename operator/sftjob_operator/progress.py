@@ -48,6 +48,10 @@ def summary(progress: dict[str, Any]) -> str | None:
 def merge(progress: dict[str, Any], metrics: dict[str, float], now: str) -> dict[str, Any]:
     """New status.progress; `updatedTime` moves only when a value changed, so an idle
     scrape does not rewrite the status."""
+    if not metrics.get("totalSteps"):
+        # The trainer serves its endpoint before it has loaded the data and any checkpoint;
+        # its gauges read 0 until then and would wipe the last known progress.
+        return progress
     new = {**progress, **metrics}
     if "loss" in new and new["loss"] is not None:
         new["loss"] = round(float(new["loss"]), 4)

@@ -184,6 +184,12 @@ class Chaos(threading.Thread):
         assert self.error is None, self.error
 
 
+# Restart tests checkpoint often and skip validation to stay short. They fine-tune all weights:
+# what they check is the gang and the operator, and a full fine-tune resumes on every
+# trainer version (LoRA resume under FSDP is the trainer's own test).
+RESUMABLE = {"checkpoint.interval": 5, "data.valFiles": [], "training.testFreq": 0, "training.lora.rank": 0}
+
+
 def checkpointed(step: int):
     return lambda job: job if job.get("status", {}).get("phase") == "Running" and \
         job["status"].get("progress", {}).get("lastCheckpointStep", 0) >= step else None
@@ -222,7 +228,7 @@ def test_deleted_pod_restarts_gang_and_resumes(cluster, operator, example_ns):
     """Acceptance 2 (+6): a deleted pod restarts the gang as a preemption, training resumes
     from the checkpoint and succeeds, while the operator is killed at random moments."""
     ns, name = example_ns, "preempted"
-    apply(cluster, ns, example(name, **{"checkpoint.interval": 5, "data.valFiles": [], "training.testFreq": 0}))
+    apply(cluster, ns, example(name, **RESUMABLE))
     rec = Recorder(cluster, ns, name)
     rec.start()
     chaos = Chaos(operator, seed=int(time.time()))
@@ -271,7 +277,7 @@ def test_suspend_and_resume(cluster, operator, example_ns):
     """Acceptance 4 (+6): suspend stops the pods (phase Suspended); resume continues from
     the checkpoint to success, with the operator killed at random moments."""
     ns, name = example_ns, "suspended"
-    apply(cluster, ns, example(name, **{"checkpoint.interval": 5, "data.valFiles": [], "training.testFreq": 0}))
+    apply(cluster, ns, example(name, **RESUMABLE))
     rec = Recorder(cluster, ns, name)
     rec.start()
     chaos = Chaos(operator, seed=int(time.time()) + 1)

@@ -37,3 +37,8 @@ def test_merge_rounds_summarises_and_stamps_only_on_change():
     new = progress.merge({}, progress.parse_metrics(TEXT), "T1")
     assert (new["summary"], new["loss"], new["tokensPerSecond"], new["updatedTime"]) == ("12/40", 2.7183, 1234.6, "T1")
     assert progress.merge(new, progress.parse_metrics(TEXT), "T2")["updatedTime"] == "T1"
+
+
+def test_uninitialised_trainer_does_not_wipe_progress():
+    before = {"step": 12, "totalSteps": 40, "loss": 2.5, "summary": "12/40"}
+    assert progress.merge(before, {"step": 0, "totalSteps": 0, "loss": 0.0}, "T") == before

@@ -190,7 +190,7 @@ def test_invalid_spec_fails_once():
 def test_conditions_keep_transition_time():
     body, pods = running_job()
     ready_since = cond(body["status"], "Ready")["lastTransitionTime"]
-    plan = reconcile.plan(body, pods, at(500), metrics={"step": 1})
+    plan = reconcile.plan(body, pods, at(500), metrics={"step": 1, "totalSteps": 20})
     assert cond(plan.status, "Ready")["lastTransitionTime"] == ready_since
 
 
