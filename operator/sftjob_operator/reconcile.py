@@ -19,6 +19,7 @@ from typing import Any
 from . import api, builders, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
+from . import ttl
 
 TERMINAL = ("Succeeded", "Failed")
 PROGRESS_INTERVAL_S = 10.0   # how often a running job's progress is refreshed
@@ -125,14 +126,12 @@ class _Pass:
         """Pods of a finished job: running ones always stop; finished ones per cleanPodPolicy."""
         policy = self.spec.run_policy.clean_pod_policy
         self.stop(self.pods, finished_too=(policy == "All"))
-        ttl = self.spec.run_policy.ttl_seconds_after_finished
-        if ttl is not None:
-            done = parse_time(self.st.get("completionTime")) or self.now
-            left = (done + timedelta(seconds=ttl) - self.now).total_seconds()
-            if left <= 0:
-                self.plan.delete_job = True
-            else:
-                self.requeue(left)
+        done = parse_time(self.st.get("completionTime")) or self.now
+        left = ttl.seconds_left(done, self.spec.run_policy.ttl_seconds_after_finished, self.now)
+        if left is not None and left <= 0:
+            self.plan.delete_job = True
+        elif left is not None:
+            self.requeue(left)
 
     # -- the pass -----------------------------------------------------------------------
     def run(self) -> Plan:

@@ -201,6 +201,10 @@ def test_example_runs_to_success_and_shows_progress(cluster, operator, example_n
     """Acceptance 1: the example as written reaches Succeeded; kubectl get shows progress."""
     ns = example_ns
     cluster.kubectl("-n", ns, "apply", "-f", str(EXAMPLE))
+    rec = Recorder(cluster, ns, "tiny-lora")
+    rec.start()
+    chaos = Chaos(operator, seed=int(time.time()) + 2)
+    chaos.start()
     seen = []
 
     def progress_line(job):
@@ -209,8 +213,14 @@ def test_example_runs_to_success_and_shows_progress(cluster, operator, example_n
             seen.append(out.strip())
         return job if job.get("status", {}).get("phase") in ("Succeeded", "Failed") else None
 
-    job = wait_job(cluster, ns, "tiny-lora", operator, progress_line, timeout=900, what="example to finish")
+    try:
+        job = wait_job(cluster, ns, "tiny-lora", operator, progress_line, timeout=900, what="example to finish")
+    finally:
+        chaos.stop()
+        rec.stop()
     assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, "tiny-lora", operator)
+    rec.check_invariants(nodes=2)
+    print(f"operator killed {chaos.kills} times")
     assert seen, "kubectl get sft never showed step/total while running"
     print("kubectl get sft while running:", seen[len(seen) // 2])
     uri = job["status"]["output"]["uri"]
@@ -260,7 +270,16 @@ def test_bad_data_fails_after_backoff_limit(cluster, operator, example_ns):
     ns, name = example_ns, "bad-data"
     apply(cluster, ns, example(name, **{"data.promptKey": "no_such_column", "runPolicy.backoffLimit": 1,
                                         "runPolicy.restartBackoffSeconds": 1}))
-    job = wait_job(cluster, ns, name, operator, phase_is("Failed", "Succeeded"), timeout=600, what="failure")
+    rec = Recorder(cluster, ns, name)
+    rec.start()
+    chaos = Chaos(operator, seed=int(time.time()) + 3)
+    chaos.start()
+    try:
+        job = wait_job(cluster, ns, name, operator, phase_is("Failed", "Succeeded"), timeout=600, what="failure")
+    finally:
+        chaos.stop()
+        rec.stop()
+    rec.check_invariants(nodes=2)
     assert job["status"]["phase"] == "Failed"
     failed = condition(job, "Failed")
     assert failed["status"] == "True" and failed["reason"] == "InvalidData", failed
@@ -270,7 +289,9 @@ def test_bad_data_fails_after_backoff_limit(cluster, operator, example_ns):
     events = cluster.kubectl("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}",
                              "-o", "json").stdout
     reasons = {e["reason"] for e in json.loads(events)["items"]}
-    assert {"RestartingAfterFailure", "InvalidData"} <= reasons, reasons
+    # Events are best effort (posted after the status write; an operator killed in between
+    # skips them): the status above is the record, events only need to tell the story.
+    assert reasons & {"RestartingAfterFailure", "InvalidData"}, reasons
 
 
 def test_suspend_and_resume(cluster, operator, example_ns):
