@@ -29,7 +29,11 @@ class Kube:
                 kubernetes.config.load_incluster_config()
             except kubernetes.config.ConfigException:
                 kubernetes.config.load_kube_config()
-            client = kubernetes.client.ApiClient()
+            conf = kubernetes.client.Configuration.get_default_copy()
+            # Pods of many jobs are created and deleted concurrently; the default pool of 4
+            # connections would be reopened over and over.
+            conf.connection_pool_maxsize = 32
+            client = kubernetes.client.ApiClient(conf)
         self.client = client
         self.core = kubernetes.client.CoreV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)

@@ -22,7 +22,7 @@ from . import progress as prog
 from . import ttl
 
 TERMINAL = ("Succeeded", "Failed")
-PROGRESS_INTERVAL_S = 10.0   # how often a running job's progress is refreshed
+PROGRESS_INTERVAL_S = 5.0    # how often a running job's progress is refreshed
 STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
 STALE_POLL_S = 2.0           # while old pods finish terminating
 
