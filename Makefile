@@ -1,0 +1,35 @@
+# sftjob: the verbs a newcomer uses. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: help install test test-unit demo clean
+
+help: ## List the make targets
+	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  \033[1m%-18s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q -e '.[trainer,operator,dev]'
+	@touch $@
+
+install: $(VENV)/.installed ## Create/update .venv with the trainer, operator and dev dependencies
+
+test: install ## Run the whole test suite (unit, distributed, cluster)
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-unit: install ## Run only the fast tests (no torchrun, no cluster)
+	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)
+
+-include hack/cluster.mk
+
+demo: install ## Fine-tune the tiny local model with LoRA on 2 processes and print where the model went
+	$(PY) -m sftjob_trainer.assets .demo/assets
+	OMP_NUM_THREADS=1 $(PY) -m sftjob_trainer.launch --standalone --nproc-per-node=2 -- --config examples/trainer-local.yaml
+
+clean: ## Remove local run outputs (.demo, caches); keeps .venv and the binary cache
+	rm -rf .demo .pytest_cache

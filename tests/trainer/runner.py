@@ -1,0 +1,82 @@
+"""Run the trainer the way a pod does: a real process, single or under torchrun."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Result:
+    code: int
+    output: str
+    out_dir: Path
+
+    def steps(self) -> list[dict]:
+        return [r for r in read_metrics(self.out_dir) if "loss" in r]
+
+    def vals(self) -> list[dict]:
+        return [r for r in read_metrics(self.out_dir) if "val_loss" in r]
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def base_args(assets: Path, out: Path, **over) -> list[str]:
+    args = {
+        "model.path": assets / "model",
+        "data.train_files": assets / "data" / "train.parquet",
+        "data.max_length": 64,
+        "data.train_batch_size": 8,
+        "data.micro_batch_size_per_gpu": 4,
+        "optim.lr": 3e-3,
+        "optim.lr_scheduler": "constant",
+        "trainer.output_dir": out,
+        "trainer.total_training_steps": 10,
+        "trainer.log_freq": 10,
+    }
+    args.update(over)
+    return [f"{k}={v}" for k, v in args.items()]
+
+
+def command(args: list[str], nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "sftjob_trainer", *args]
+    return [sys.executable, "-m", "sftjob_trainer.launch", "--standalone", f"--nproc-per-node={nproc}", "--", *args]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def run(args: list[str], out: Path, nproc: int = 1, timeout: float = 600) -> Result:
+    proc = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout, env=env())
+    return Result(proc.returncode, proc.stdout + proc.stderr, Path(out))
+
+
+def run_and_sigterm(args: list[str], out: Path, after_steps: int, nproc: int = 1, timeout: float = 600) -> Result:
+    """Start a run and SIGTERM it once ``after_steps`` steps are in metrics.jsonl."""
+    proc = subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    deadline = time.time() + timeout
+    while len([r for r in read_metrics(out) if "loss" in r]) < after_steps:
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before it was signalled:\n{proc.stdout.read()}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError("run did not reach the step to signal it at")
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=timeout)
+    return Result(proc.returncode, output, Path(out))

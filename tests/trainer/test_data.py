@@ -1,0 +1,168 @@
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sftjob_trainer.config import DataConfig
+from sftjob_trainer.data import IGNORE, GlobalBatches, SampleBuilder, SFTDataset, collate
+from sftjob_trainer.errors import InvalidData
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def tok(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets / "model")
+
+
+def write(tmp_path: Path, rows, name="d.parquet", schema=None) -> str:
+    path = tmp_path / name
+    table = pa.Table.from_pylist(rows, schema=schema) if rows or schema is None else pa.Table.from_pylist([], schema=schema)
+    pq.write_table(table, path)
+    return str(path)
+
+
+def cfg(files, **kw) -> DataConfig:
+    return DataConfig(train_files=files, **kw)
+
+
+def trained_text(tok, sample) -> list[str]:
+    return tok.convert_ids_to_tokens([t for t in sample.targets if t != IGNORE])
+
+
+def test_single_turn_trains_on_response_and_eos_only(tmp_path, tok):
+    f = write(tmp_path, [{"prompt": "what color is the kiwi ?", "response": "the kiwi is teal ."}])
+    ds = SFTDataset([f], SampleBuilder(tok, cfg([f])), "train")
+    s = ds.sample(0)
+    assert trained_text(tok, s) == ["the", "kiwi", "is", "teal", ".", "</s>"]
+    assert s.targets[-1] == IGNORE and len(s.targets) == len(s.input_ids)
+
+
+def test_chat_trains_on_every_assistant_turn(tmp_path, tok):
+    messages = [
+        {"role": "system", "content": "answer briefly ."},
+        {"role": "user", "content": "what comes after one ?"},
+        {"role": "assistant", "content": "after one comes two ."},
+        {"role": "user", "content": "what comes after two ?"},
+        {"role": "assistant", "content": "after two comes three ."},
+    ]
+    f = write(tmp_path, [{"messages": messages}])
+    ds = SFTDataset([f], SampleBuilder(tok, cfg([f], messages_key="messages")), "train")
+    got = trained_text(tok, ds.sample(0))
+    assert got == "after one comes two . </s> after two comes three . </s>".split()
+
+
+def test_truncation_policies_and_drop_counts(tmp_path, tok):
+    rows = [{"prompt": "what color is the kiwi ?" * 3, "response": "the kiwi is teal ."},
+            {"prompt": "hi", "response": "the kiwi is teal ."}]
+    f = write(tmp_path, rows)
+    with pytest.raises(InvalidData, match=r"row 0: \d+ tokens exceed data.max_length=12"):
+        SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=12)), "train")
+    left = SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=12, truncation="left")), "train")
+    assert left.stats.truncated == 1 and left.stats.usable == 2
+    assert trained_text(tok, left.sample(0))[-1] == "</s>"
+    right = SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=12, truncation="right")), "train")
+    # Cutting the end of row 0 leaves only prompt tokens: dropped and counted, not trained on.
+    assert right.stats.dropped_no_target == 1 and right.stats.usable == 1
+    assert list(right.valid) == [1]
+
+
+def test_missing_column_is_named(tmp_path, tok):
+    f = write(tmp_path, [{"question": "a", "response": "b"}])
+    with pytest.raises(InvalidData, match=r"missing column\(s\) prompt \(has: question, response\)"):
+        SFTDataset([f], SampleBuilder(tok, cfg([f])), "train")
+
+
+def test_empty_file(tmp_path, tok):
+    schema = pa.schema([("prompt", pa.string()), ("response", pa.string())])
+    f = write(tmp_path, [], schema=schema)
+    with pytest.raises(InvalidData, match="has no rows"):
+        SFTDataset([f], SampleBuilder(tok, cfg([f])), "train")
+
+
+def test_not_parquet(tmp_path, tok):
+    f = tmp_path / "x.parquet"
+    f.write_text("hello")
+    with pytest.raises(InvalidData, match="not a readable parquet file"):
+        SFTDataset([str(f)], SampleBuilder(tok, cfg([str(f)])), "train")
+
+
+def test_missing_file(tmp_path, tok):
+    with pytest.raises(InvalidData, match="does not exist"):
+        SFTDataset([str(tmp_path / "nope.parquet")], SampleBuilder(tok, cfg(["x"])), "train")
+
+
+def test_wrong_column_type(tmp_path, tok):
+    f = write(tmp_path, [{"prompt": 3, "response": "b"}])
+    with pytest.raises(InvalidData, match="column 'prompt' must hold strings, got int"):
+        SFTDataset([f], SampleBuilder(tok, cfg([f])), "train")
+
+
+def test_malformed_messages(tmp_path, tok):
+    f = write(tmp_path, [{"messages": [{"role": "user"}]}])
+    with pytest.raises(InvalidData, match="string 'role' and 'content'"):
+        SFTDataset([f], SampleBuilder(tok, cfg([f], messages_key="messages")), "train")
+
+
+def test_no_trainable_tokens(tmp_path, tok):
+    f = write(tmp_path, [{"prompt": "what color is the kiwi ?" * 4, "response": "x"}] * 3)
+    with pytest.raises(InvalidData, match="no trainable tokens: all 3 rows were dropped"):
+        SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=8, truncation="right")), "train")
+
+
+def test_directory_and_glob(tmp_path, tok):
+    rows = [{"prompt": "p", "response": "the kiwi ."}]
+    write(tmp_path, rows, "a.parquet")
+    write(tmp_path, rows * 2, "b.parquet")
+    assert SFTDataset([str(tmp_path)], SampleBuilder(tok, cfg(["x"])), "t").rows.num_rows == 3
+    assert SFTDataset([str(tmp_path / "b*.parquet")], SampleBuilder(tok, cfg(["x"])), "t").rows.num_rows == 2
+
+
+def test_order_is_a_seeded_permutation(assets, tok):
+    f = str(assets / "data" / "train.parquet")
+    ds = SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=64)), "train")
+    a, b, c = ds.epoch_order(1, 0, True), ds.epoch_order(1, 0, True), ds.epoch_order(1, 1, True)
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    assert sorted(a.tolist()) == list(range(ds.rows.num_rows))
+
+
+def test_rank_slices_cover_the_global_batch(assets, tok):
+    f = str(assets / "data" / "train.parquet")
+    c = cfg([f], max_length=64, train_batch_size=8, micro_batch_size_per_gpu=2)
+    ds = SFTDataset([f], SampleBuilder(tok, c), "train")
+    one = GlobalBatches(ds, c, 3, 0, 1, 0).step_batches(0, 16)
+    two = [GlobalBatches(ds, c, 3, r, 2, 0).step_batches(0, 16) for r in range(2)]
+    ids = lambda mbs: [i for mb in mbs for i in mb.sample_ids]  # noqa: E731
+    assert ids(one) == ids(two[0]) + ids(two[1])
+
+
+def test_micro_batch_must_divide_per_rank_batch(assets, tok):
+    f = str(assets / "data" / "train.parquet")
+    c = cfg([f], max_length=64, train_batch_size=4, micro_batch_size_per_gpu=4)
+    ds = SFTDataset([f], SampleBuilder(tok, c), "train")
+    with pytest.raises(InvalidData, match=r"must divide the per-rank batch \(2 = data.train_batch_size 4 / 2 processes\)"):
+        GlobalBatches(ds, c, 0, 0, 2, 0)
+
+
+def test_packed_loss_equals_padded(assets, tok):
+    from transformers import AutoModelForCausalLM
+
+    from sftjob_trainer.loss import ce_sum
+
+    f = str(assets / "data" / "chat_train.parquet")
+    ds = SFTDataset([f], SampleBuilder(tok, cfg([f], messages_key="messages", max_length=128)), "train")
+    model = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32, attn_implementation="sdpa")
+    ids = [0, 1, 2, 3]
+    samples = [ds.sample(i) for i in ids]
+    padded = collate(samples, ids, packing=False, pad_id=tok.pad_token_id)
+    packed = collate(samples, ids, packing=True, pad_id=tok.pad_token_id)
+    assert packed.input_ids.shape[0] == 1 and padded.n_targets == packed.n_targets
+    with torch.no_grad():
+        a = ce_sum(model, padded, torch.device("cpu"), "fp32").item()
+        b = ce_sum(model, packed, torch.device("cpu"), "fp32").item()
+    assert abs(a - b) / padded.n_targets < 1e-4

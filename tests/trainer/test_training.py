@@ -1,0 +1,143 @@
+"""End-to-end trainer runs: real processes, torchrun + gloo for 2 ranks."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from . import runner
+
+pytestmark = pytest.mark.distributed
+
+
+def drop(steps: list[dict], k: int = 5) -> float:
+    first = sum(r["loss"] for r in steps[:k]) / k
+    last = sum(r["loss"] for r in steps[-k:]) / k
+    return 1 - last / first
+
+
+@pytest.mark.parametrize("lora", [0, 16], ids=["full", "lora"])
+def test_loss_falls_and_export_reproduces_val_loss(assets, tmp_path, lora):
+    out = tmp_path / "out"
+    over = {"trainer.total_training_steps": 100, "data.val_files": assets / "data" / "val.parquet",
+            "data.micro_batch_size_per_gpu": 8, "lora.rank": lora}
+    if lora:
+        over |= {"optim.lr": 1e-2, "lora.alpha": 32}
+    res = runner.run(runner.base_args(assets, out, **over), out)
+    assert res.code == 0, res.output
+    steps = res.steps()
+    assert len(steps) == 100 and [r["step"] for r in steps] == list(range(1, 101))
+    assert drop(steps) >= 0.40, f"loss fell only {drop(steps):.0%}: {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}"
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in steps)
+
+    # The exported model loads as a user would load it and reproduces the last val_loss.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sftjob_trainer.config import DataConfig
+    from sftjob_trainer.data import SampleBuilder, SFTDataset, eval_batches
+    from sftjob_trainer.loss import ce_sum
+
+    final = out / "hf" / "final"
+    assert (final / "model.safetensors").exists() and (final / "generation_config.json").exists()
+    tok = AutoTokenizer.from_pretrained(final)
+    assert tok.chat_template, "the exported tokenizer must keep its chat template"
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32, attn_implementation="sdpa").eval()
+    data_cfg = DataConfig(train_files=[str(assets / "data" / "val.parquet")], max_length=64)
+    val = SFTDataset(data_cfg.train_files, SampleBuilder(tok, data_cfg), "val")
+    total = count = 0.0
+    with torch.no_grad():
+        for mb in eval_batches(val, 8, 0, 1, False, tok.pad_token_id):
+            total += ce_sum(model, mb, torch.device("cpu"), "fp32").item()
+            count += mb.n_targets
+    assert abs(total / count - res.vals()[-1]["val_loss"]) < 1e-4
+    if lora:
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32)
+        adapted = PeftModel.from_pretrained(base, out / "hf" / "adapter")
+        assert any("lora_" in n for n, _ in adapted.named_parameters())
+
+
+def test_sigterm_then_rerun_resumes_exactly(assets, tmp_path):
+    """2 ranks: SIGTERM mid-way exits 143; the rerun's losses equal the uninterrupted run's."""
+    over = {"trainer.total_training_steps": 24, "data.micro_batch_size_per_gpu": 2, "lora.rank": 8,
+            "optim.lr_scheduler": "cosine", "lora.dropout": 0.1}
+    ref_out, out = tmp_path / "ref", tmp_path / "int"
+    ref = runner.run(runner.base_args(assets, ref_out, **over), ref_out, nproc=2)
+    assert ref.code == 0, ref.output
+
+    args = runner.base_args(assets, out, **over)
+    stopped = runner.run_and_sigterm(args, out, after_steps=9, nproc=2)
+    assert stopped.code == 143, stopped.output
+    done = [r["step"] for r in stopped.steps()]
+    assert 9 <= done[-1] < 24
+    assert (out / "checkpoints" / f"step-{done[-1]}" / "COMMITTED").exists()
+
+    resumed = runner.run(args, out, nproc=2)
+    assert resumed.code == 0, resumed.output
+    assert f"resumed from {out / 'checkpoints' / f'step-{done[-1]}'}" in resumed.output
+    got = {r["step"]: r["loss"] for r in resumed.steps()}  # the file holds both attempts; later wins
+    want = {r["step"]: r["loss"] for r in ref.steps()}
+    assert sorted(got) == list(range(1, 25))
+    assert [got[s] for s in range(1, 25)] == [want[s] for s in range(1, 25)]
+
+
+def test_accumulation_and_world_size_invariance(assets, tmp_path):
+    """Global batch 8 as 1×8, 8×1 and 2 ranks × 4×1 gives the same per-step losses."""
+    runs = {}
+    for name, micro, nproc in (("1x8", 8, 1), ("8x1", 1, 1), ("2proc", 1, 2)):
+        out = tmp_path / name
+        res = runner.run(runner.base_args(assets, out, **{"data.micro_batch_size_per_gpu": micro,
+                                                          "trainer.total_training_steps": 5}), out, nproc=nproc)
+        assert res.code == 0, res.output
+        runs[name] = [r["loss"] for r in res.steps()]
+    assert len(runs["1x8"]) == 5
+    for name in ("8x1", "2proc"):
+        assert max(abs(a - b) for a, b in zip(runs["1x8"], runs[name])) < 1e-5, (name, runs)
+
+
+@pytest.mark.parametrize(
+    "over, reason, needle",
+    [
+        ({"data.prompt_key": "question"}, "InvalidData", "missing column(s) question"),
+        ({"optim.lr": "fast"}, "InvalidConfig", "optim.lr"),
+        ({"optim.warmup": 3}, "InvalidConfig", "optim.warmup: unknown key"),
+        ({"data.train_batch_size": 8, "data.micro_batch_size_per_gpu": 3}, "InvalidConfig", "must divide"),
+        ({"data.max_length": 4, "data.truncation": "right"}, "InvalidData", "no trainable tokens"),
+        ({"model.path": "/nonexistent/model"}, "InvalidConfig", "model.path /nonexistent/model"),
+    ],
+    ids=["missing-column", "wrong-type", "unknown-key", "micro-batch", "no-trainable-tokens", "bad-model"],
+)
+def test_bad_inputs_exit_2_with_reason(assets, tmp_path, over, reason, needle):
+    out = tmp_path / "out"
+    tlog = tmp_path / "termination-log"
+    import os
+    import subprocess
+    import sys
+
+    env = runner.env() | {"SFTJOB_TERMINATION_LOG": str(tlog)}
+    proc = subprocess.run([sys.executable, "-m", "sftjob_trainer", *runner.base_args(assets, out, **over)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    line = tlog.read_text().strip()
+    assert line.startswith(reason + ":") and needle in line and "\n" not in line
+    assert proc.stderr.strip().splitlines()[-1] == line
+    assert not (out / "checkpoints").exists()
+
+
+def test_empty_file_and_wrong_type_under_torchrun(assets, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.Table.from_pylist([], schema=pa.schema([("prompt", pa.string()), ("response", pa.string())])), empty)
+    out = tmp_path / "out"
+    res = runner.run(runner.base_args(assets, out, **{"data.train_files": empty}), out, nproc=2)
+    assert res.code == 2 and "has no rows" in res.output
+
+    typed = tmp_path / "typed.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": 1, "response": "a"}] * 8), typed)
+    res = runner.run(runner.base_args(assets, out, **{"data.train_files": typed}), out, nproc=2)
+    assert res.code == 2 and "must hold strings" in res.output

@@ -1,0 +1,164 @@
+"""Sharded, exactly resumable checkpoints with commit markers.
+
+Layout under ``<output_dir>/checkpoints/step-<N>/``: the DCP shards of model and
+optimizer (resharded on load, so N processes can resume on M), ``trainer_state.json``
+(step, epoch, data cursor, schedule, data fingerprint), ``manifest.json`` (every file
+and its size) and last the ``COMMITTED`` marker. A directory without the marker, or
+whose manifest does not match its files, is never resumed from. Old checkpoints are
+pruned only after a newer one has committed, and the newest good one is never pruned.
+
+RNG: the trainer reseeds every step from (seed, step, rank), so the step number in
+``trainer_state.json`` restores the random state exactly, whatever the world size.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from . import dist as dist_utils
+
+log = logging.getLogger(__name__)
+
+# One process without a process group is a supported way to run; DCP need not say so.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+MARKER = "COMMITTED"
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    step: int  # optimizer steps completed
+    epoch: int
+    cursor: int  # samples of `epoch` already consumed (a global count, independent of world size)
+    total_steps: int
+    global_batch: int
+    data_fingerprint: str
+    world_size: int
+    tokens_seen: int
+    lr_scheduler: str
+
+
+class LocalCheckpointDir:
+    """Checkpoints in a local (or shared) directory."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def steps(self) -> list[int]:
+        if not self.root.is_dir():
+            return []
+        found = (_STEP_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def is_committed(self, step: int) -> bool:
+        return (self.path(step) / MARKER).is_file()
+
+    def verify(self, step: int) -> str | None:
+        """None when the checkpoint is complete, else why it is not."""
+        d = self.path(step)
+        if not (d / MARKER).is_file():
+            return "no commit marker"
+        try:
+            manifest = json.loads((d / MANIFEST).read_text())
+        except (OSError, ValueError) as err:
+            return f"unreadable manifest ({err})"
+        for rel, size in manifest.get("files", {}).items():
+            f = d / rel
+            if not f.is_file() or f.stat().st_size != size:
+                return f"file {rel} missing or of the wrong size"
+        return None
+
+    def prepare(self, step: int) -> Path:
+        """An empty directory for step ``step`` (a stale uncommitted one is cleared first)."""
+        d = self.path(step)
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        return d
+
+    def commit(self, step: int) -> None:
+        d = self.path(step)
+        files = {
+            str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file() and p.name != MARKER
+        }
+        _atomic_write(d / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        _atomic_write(d / MARKER, f"{step}\n")
+
+    def prune(self, keep: int) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep`` and stale partial ones."""
+        committed = [s for s in self.steps() if self.verify(s) is None]
+        if not committed:
+            return []
+        newest = committed[-1]
+        doomed = [s for s in committed[:-keep]] + [s for s in self.steps() if s < newest and s not in committed]
+        for s in doomed:
+            shutil.rmtree(self.path(s), ignore_errors=True)
+        return sorted(doomed)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _options(strict: bool = True) -> StateDictOptions:
+    # Frozen base weights (LoRA) come from the base model; only trained ones are saved,
+    # so loading them back cannot be strict about the frozen keys.
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
+def save(store: LocalCheckpointDir, model, optimizer, state: TrainerState, rank: int, keep: int) -> Path:
+    """Collective: every rank writes its shards; rank 0 commits and prunes."""
+    d = store.prepare(state.step) if rank == 0 else store.path(state.step)
+    dist_utils.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d))
+    dist_utils.barrier()
+    if rank == 0:
+        _atomic_write(d / STATE, json.dumps(asdict(state), indent=1))
+        store.commit(state.step)
+        pruned = store.prune(keep)
+        if pruned:
+            log.info("pruned checkpoints %s", pruned)
+    dist_utils.barrier()
+    return d
+
+
+def find_resumable(store: LocalCheckpointDir) -> int | None:
+    """The newest complete checkpoint, skipping (and reporting) incomplete ones."""
+    for step in reversed(store.steps()):
+        why = store.verify(step)
+        if why is None:
+            return step
+        log.warning("ignoring checkpoint %s: %s", store.path(step), why)
+    return None
+
+
+def load(store: LocalCheckpointDir, step: int, model, optimizer) -> TrainerState:
+    d = store.path(step)
+    state = TrainerState(**json.loads((d / STATE).read_text()))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    target = {"model": model_sd, "optim": optim_sd}
+    dcp.load(target, checkpoint_id=str(d))
+    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
+                   options=_options(strict=False))
+    return state

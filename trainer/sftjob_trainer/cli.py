@@ -1,0 +1,130 @@
+"""`sftjob-train` / `python -m sftjob_trainer`: parse, build, train, close.
+
+Exit codes and the termination message follow docs/trainer-contract.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from .errors import EXIT_PREEMPTED, InvalidConfig, TrainerError
+
+log = logging.getLogger("sftjob_trainer")
+
+_TERMINATION_DEFAULT = "/dev/termination-log"
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        row = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        rank = os.environ.get("RANK")
+        if rank is not None:
+            row["rank"] = int(rank)
+        if record.exc_info:
+            row["exc"] = self.formatException(record.exc_info)
+        return json.dumps(row)
+
+
+def setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("SFTJOB_LOG_FORMAT") == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        rank = os.environ.get("RANK")
+        prefix = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    # Non-zero ranks only say what matters; rank 0 speaks for the job.
+    if os.environ.get("RANK", "0") != "0":
+        logging.getLogger("sftjob_trainer").setLevel(logging.WARNING)
+    for noisy in ("transformers", "peft", "torch.distributed", "urllib3", "botocore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def write_termination_message(message: str) -> None:
+    """One line for `kubectl describe` and the operator; never raises."""
+    path = os.environ.get("SFTJOB_TERMINATION_LOG") or _TERMINATION_DEFAULT
+    line = message.replace("\n", " ")[:4000]
+    try:
+        if path == _TERMINATION_DEFAULT and not os.access(path, os.W_OK):
+            return
+        with open(path, "w") as fh:
+            fh.write(line + "\n")
+    except OSError:
+        pass
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="sftjob-train",
+        description="Supervised fine-tuning of a Hugging Face causal LM (FSDP2, full or LoRA).",
+        epilog="Overrides use dotted keys, e.g. optim.lr=1e-5 data.train_batch_size=64 lora.rank=8",
+    )
+    ap.add_argument("--config", help="YAML config file (see examples/trainer.yaml)")
+    ap.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    # Imported late so `--help` and config errors answer without loading torch.
+    from .config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        return _fail(InvalidConfig(str(err)))
+    return run(cfg)
+
+
+def run(cfg) -> int:
+    from . import dist as dist_utils
+    from .train import Preempted, StopFlag, Trainer
+
+    stop = StopFlag()
+    stop.install()
+    t0 = time.time()
+    world = dist_utils.init_world()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, world, stop)
+        final = trainer.train()
+        if world.is_main:
+            msg = f"Succeeded: model exported to {final}"
+            log.info("%s (%.0fs)", msg, time.time() - t0)
+            print(f"model: {final}", flush=True)
+            write_termination_message(msg)
+        return 0
+    except Preempted as err:
+        if world.is_main:
+            write_termination_message(f"Preempted: {err}")
+        log.warning("stopped after SIGTERM: %s", err)
+        return EXIT_PREEMPTED
+    except TrainerError as err:
+        return _fail(err)
+    except Exception as err:  # noqa: BLE001 - every other failure still gets a one-line reason
+        log.exception("training failed")
+        return _fail(TrainerError(f"{type(err).__name__}: {err}"))
+    finally:
+        if trainer is not None:
+            trainer.close()
+        dist_utils.close_world()
+
+
+def _fail(err: TrainerError) -> int:
+    line = f"{err.reason}: {err}"
+    print(line, file=sys.stderr, flush=True)
+    write_termination_message(line)
+    return err.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Hugging Face exports that load and serve as they are.
+
+``hf/final``: a full model with config, generation config and the tokenizer (with its
+chat template); LoRA runs also write ``hf/adapter`` (the PEFT adapter) and, unless
+``lora.merge_on_export`` is off, ``hf/final`` is the base model with the adapter merged.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+log = logging.getLogger(__name__)
+
+
+def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, merge: bool, rank: int) -> Path | None:
+    """Collective (every rank joins the gather); rank 0 writes. Returns the final model dir."""
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    if not is_lora:
+        final = _fresh(out / "final")
+        model.save_pretrained(final, state_dict=full_sd, safe_serialization=True)
+        tokenizer.save_pretrained(final)
+        return final
+    adapter = _fresh(out / "adapter")
+    model.save_pretrained(adapter, state_dict=full_sd, safe_serialization=True)
+    tokenizer.save_pretrained(adapter)
+    if not merge:
+        return adapter
+    # Merge on a clean copy of the base so the export never depends on the sharded
+    # training module: base weights + saved adapter, exactly what a user would do.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    final = _fresh(out / "final")
+    merged.save_pretrained(final, safe_serialization=True)
+    tokenizer.save_pretrained(final)
+    return final
+
+
+def _fresh(path: Path) -> Path:
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path

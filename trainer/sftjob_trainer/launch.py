@@ -1,0 +1,79 @@
+"""`python -m sftjob_trainer.launch [torchrun options] -- [trainer arguments]`
+
+The pod's entry point: runs `torchrun ... -m sftjob_trainer ...` and gives the pod the
+exit code the operator's failure policy reads (docs/trainer-contract.md). torchrun
+itself exits 1 for every failure, also when the platform stopped it with SIGTERM, so:
+- SIGTERM is forwarded to torchrun (which forwards it to the trainer processes, which
+  checkpoint at the next step boundary), and the launcher then exits 143;
+- a failed run exits 2 when the trainer's termination message names a config or data
+  error (permanent: retrying cannot help), else torchrun's own code.
+torchrun's SIGTERM→SIGKILL escalation (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) defaults to the
+trainer's stop budget `SFTJOB_STOP_TIMEOUT_S` when that is set.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+from .errors import EXIT_PREEMPTED
+
+_PERMANENT = ("InvalidConfig", "InvalidData")
+
+
+def build_command(torchrun_args: list[str], trainer_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "sftjob_trainer", *trainer_args]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        cut = argv.index("--")
+        torchrun_args, trainer_args = argv[:cut], argv[cut + 1 :]
+    else:
+        torchrun_args, trainer_args = [], argv
+    env = dict(os.environ)
+    if "SFTJOB_STOP_TIMEOUT_S" in env:
+        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(float(env["SFTJOB_STOP_TIMEOUT_S"]))))
+    # The trainer processes write their one-line reason here; the launcher copies it to
+    # the pod's termination log after choosing the exit code.
+    final_log = env.get("SFTJOB_TERMINATION_LOG") or "/dev/termination-log"
+    fd, worker_log = tempfile.mkstemp(prefix="sftjob-termination-")
+    os.close(fd)
+    env["SFTJOB_TERMINATION_LOG"] = worker_log
+
+    proc = subprocess.Popen(build_command(torchrun_args, trainer_args), env=env)
+    stopped = []
+
+    def forward(signum, frame):  # noqa: ARG001
+        stopped.append(signum)
+        proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = proc.wait()
+    message = ""
+    try:
+        with open(worker_log) as fh:
+            message = fh.read().strip()
+        os.unlink(worker_log)
+    except OSError:
+        pass
+    if message:
+        try:
+            if final_log != "/dev/termination-log" or os.access(final_log, os.W_OK):
+                with open(final_log, "w") as fh:
+                    fh.write(message + "\n")
+        except OSError:
+            pass
+    if stopped:
+        return EXIT_PREEMPTED
+    if code != 0 and message.startswith(_PERMANENT):
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

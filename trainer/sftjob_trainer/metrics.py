@@ -1,0 +1,88 @@
+"""Training metrics: one JSON line per step/validation, mirrored on a Prometheus endpoint.
+
+Only rank 0 writes; every value it writes is already reduced over all ranks.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_GAUGES = {
+    "step": ("sftjob_trainer_step", "Optimizer steps completed"),
+    "total_steps": ("sftjob_trainer_total_steps", "Optimizer steps this run will take"),
+    "epoch": ("sftjob_trainer_epoch", "Current epoch (0-based)"),
+    "loss": ("sftjob_trainer_loss", "Training loss of the last step (mean over target tokens)"),
+    "val_loss": ("sftjob_trainer_val_loss", "Loss on the validation set at the last validation"),
+    "lr": ("sftjob_trainer_learning_rate", "Learning rate of the last step"),
+    "grad_norm": ("sftjob_trainer_grad_norm", "Global gradient norm before clipping"),
+    "tokens_per_s": ("sftjob_trainer_tokens_per_second", "Real (non-pad) tokens per second, all ranks"),
+    "mfu": ("sftjob_trainer_mfu", "Model FLOPs utilisation of the last step (0..1)"),
+    "last_checkpoint_step": ("sftjob_trainer_last_checkpoint_step", "Step of the newest committed checkpoint"),
+    "checkpoint_save_seconds": ("sftjob_trainer_checkpoint_save_seconds", "Wall time of the last checkpoint save"),
+}
+_COUNTERS = {
+    "tokens": ("sftjob_trainer_tokens", "Real (non-pad) tokens processed"),
+    "skipped": ("sftjob_trainer_skipped_steps", "Steps skipped for a non-finite gradient norm"),
+}
+
+
+class Metrics:
+    def __init__(self, path: Path | None, port: int = 0):
+        self.path = path
+        self._fh = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(path, "a", buffering=1)
+        self._gauges: dict[str, Any] = {}
+        self._counters: dict[str, Any] = {}
+        self._server = None
+        if port:
+            self._start_server(port)
+
+    def _start_server(self, port: int) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+        registry = CollectorRegistry()
+        self._gauges = {k: Gauge(n, h, registry=registry) for k, (n, h) in _GAUGES.items()}
+        self._counters = {k: Counter(n, h, registry=registry) for k, (n, h) in _COUNTERS.items()}
+        self._server, _ = start_http_server(port, registry=registry)
+        log.info("metrics on :%d/metrics", port)
+
+    def gauge(self, **values: float) -> None:
+        for k, v in values.items():
+            if k in self._gauges and v is not None and math.isfinite(v):
+                self._gauges[k].set(v)
+
+    def count(self, **values: float) -> None:
+        for k, v in values.items():
+            if k in self._counters and v:
+                self._counters[k].inc(v)
+
+    def record(self, **row: Any) -> None:
+        """Append one JSON line and update the matching gauges."""
+        if self._fh is not None:
+            self._fh.write(json.dumps(row) + "\n")
+        self.gauge(**{k: v for k, v in row.items() if isinstance(v, (int, float))})
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+
+def step_flops(n_matmul: int, n_layers: int, d_attn: int, seq_lengths: list[int]) -> float:
+    """Useful training FLOPs of a step: 6·N per real token plus causal attention.
+
+    Matches the bench README: 6·N_matmul·T + 6·n_layers·d_attn·Σ s_i² (forward 2 + backward
+    4 per parameter and token; QKᵀ and A·V halved by causality, ×3 for backward).
+    """
+    tokens = sum(seq_lengths)
+    return 6.0 * n_matmul * tokens + 6.0 * n_layers * d_attn * sum(s * s for s in seq_lengths)

@@ -1,0 +1,225 @@
+"""The training run: build the components, resume, loop, validate, export."""
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from . import dist as dist_utils
+from .config import SFTConfig
+from .data import GlobalBatches, SampleBuilder, SFTDataset, eval_batches
+from .dist import World
+from .errors import InvalidConfig
+from .export import export
+from .loss import ce_sum
+from .metrics import Metrics, step_flops
+from .model import attention_dims, build_model, matmul_params
+from .optim import build_optimizer, set_lr
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(Exception):
+    """Raised after the stop checkpoint committed; the CLI turns it into exit 143."""
+
+
+class StopFlag:
+    """Set by SIGTERM; acted on at the next step boundary, by all ranks together."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        if not self.requested:
+            log.warning("SIGTERM: will checkpoint at the next step boundary and exit")
+        self.requested = True
+
+
+class Trainer:
+    def __init__(self, cfg: SFTConfig, world: World, stop: StopFlag):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.world, self.stop = cfg, world, stop
+        self.output = Path(cfg.trainer.output_dir)
+        model_path = cfg.model.path
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        except (OSError, ValueError) as err:
+            raise InvalidConfig(f"model.path {model_path}: cannot load a tokenizer ({err})") from None
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        builder = SampleBuilder(self.tokenizer, cfg.data)
+        self.train_ds = SFTDataset(cfg.data.train_files, builder, "train", world.rank, world.size)
+        self.val_ds = SFTDataset(cfg.data.val_files, builder, "val", world.rank, world.size) if cfg.data.val_files else None
+        self.batches = GlobalBatches(self.train_ds, cfg.data, cfg.trainer.seed, world.rank, world.size, pad_id)
+        self.pad_id = pad_id
+        self.total_steps = cfg.trainer.total_training_steps or self.batches.steps_per_epoch * cfg.trainer.total_epochs
+
+        torch.manual_seed(cfg.trainer.seed)
+        self.model = build_model(cfg.model, cfg.lora, model_path, world)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=world.size == 1)
+        self.n_matmul = matmul_params(self.model)
+        self.n_layers, self.d_attn = attention_dims(self.model)
+
+        self.store = ckpt.LocalCheckpointDir(self.output / "checkpoints")
+        self.metrics = Metrics(self.output / "metrics.jsonl" if world.is_main else None,
+                               cfg.trainer.metrics_port if world.is_main else 0)
+        self.state = ckpt.TrainerState(
+            step=0, epoch=0, cursor=0, total_steps=self.total_steps, global_batch=cfg.data.train_batch_size,
+            data_fingerprint=self.train_ds.fingerprint(), world_size=world.size, tokens_seen=0,
+            lr_scheduler=cfg.optim.lr_scheduler,
+        )
+        self.last_committed = -1
+        self._resume()
+        self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
+                           last_checkpoint_step=max(self.last_committed, 0))
+
+    # ------------------------------------------------------------------ resume / save
+
+    def _resume(self) -> None:
+        step = ckpt.find_resumable(self.store) if self.world.is_main else None
+        step = dist_utils.broadcast_object(step)
+        if step is None:
+            log.info("no committed checkpoint under %s: starting from step 0", self.store.root)
+            return
+        saved = ckpt.load(self.store, step, self.model, self.optimizer)
+        if saved.global_batch != self.state.global_batch:
+            raise InvalidConfig(
+                f"checkpoint step-{step} was trained with data.train_batch_size={saved.global_batch}; resuming with "
+                f"{self.state.global_batch} would change the sample order. Keep the batch size or use a new output_dir"
+            )
+        if saved.data_fingerprint != self.state.data_fingerprint:
+            raise InvalidConfig(
+                f"checkpoint step-{step} was trained on different data (fingerprint {saved.data_fingerprint}, now "
+                f"{self.state.data_fingerprint}); use a new output_dir to train on new data"
+            )
+        self.state = ckpt.TrainerState(**{**saved.__dict__, "total_steps": self.total_steps, "world_size": self.world.size})
+        self.last_committed = step
+        log.info("resumed from %s (epoch %d, cursor %d; saved by %d processes, now %d)", self.store.path(step),
+                 saved.epoch, saved.cursor, saved.world_size, self.world.size)
+
+    def save(self) -> None:
+        if self.state.step == self.last_committed:
+            return  # never rewrite (and so briefly lose) a committed checkpoint
+        t0 = time.perf_counter()
+        ckpt.save(self.store, self.model, self.optimizer, self.state, self.world.rank, self.cfg.trainer.keep_checkpoints)
+        self.last_committed = self.state.step
+        seconds = time.perf_counter() - t0
+        log.info("checkpoint step-%d committed in %.2fs", self.state.step, seconds)
+        self.metrics.gauge(last_checkpoint_step=self.state.step, checkpoint_save_seconds=seconds)
+
+    # ------------------------------------------------------------------ loop
+
+    def train(self) -> Path | None:
+        cfg = self.cfg.trainer
+        while self.state.step < self.total_steps:
+            micro_batches = self.batches.step_batches(self.state.epoch, self.state.cursor)
+            local = torch.tensor([sum(mb.n_targets for mb in micro_batches), sum(mb.n_tokens for mb in micro_batches),
+                                  float(self.stop.requested)], dtype=torch.float64)
+            n_targets, n_tokens, stops = dist_utils.all_reduce_sum(local).tolist()
+            if stops:
+                self.save()
+                raise Preempted(f"checkpoint step-{self.state.step} committed")
+            self._train_step(micro_batches, n_targets, n_tokens)
+            if cfg.save_freq and self.state.step % cfg.save_freq == 0:
+                self.save()
+            if self.val_ds is not None and cfg.test_freq and self.state.step % cfg.test_freq == 0:
+                self.validate()
+        self.save()  # a preemption during validation/export resumes straight into them
+        if self.val_ds is not None:
+            self.validate()
+        return self.export()
+
+    def _train_step(self, micro_batches, n_targets: float, n_tokens: float) -> None:
+        step = self.state.step
+        torch.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 7919 + self.world.rank)
+        lr = set_lr(self.optimizer, self.cfg.optim, step, self.total_steps)
+        self.model.train()
+        t0 = time.perf_counter()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        # FSDP averages gradients over ranks; scaling by the world size turns that average
+        # into the sum, so the gradient is exactly d(sum of CE)/d(w) / (global target tokens).
+        scale = self.world.size / n_targets
+        for mb in micro_batches:
+            ce = ce_sum(self.model, mb, self.world.device, self.cfg.trainer.precision)
+            (ce * scale).backward()
+            loss_sum += ce.detach().double().cpu()
+        grad_norm = self._clip()
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            log.warning("step %d: non-finite gradient norm, skipping the update", step + 1)
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = dist_utils.all_reduce_sum(loss_sum.reshape(1)).item() / n_targets
+        seconds = time.perf_counter() - t0
+
+        self.state = ckpt.TrainerState(**{**self.state.__dict__, **self._advance(), "tokens_seen": self.state.tokens_seen + int(n_tokens)})
+        row = dict(step=self.state.step, epoch=self.state.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
+                   tokens=int(n_tokens), tokens_per_s=n_tokens / seconds)
+        if self.cfg.trainer.peak_tflops:
+            lengths = dist_utils.all_gather_objects([n for mb in micro_batches for n in mb.seq_lengths])
+            flops = step_flops(self.n_matmul, self.n_layers, self.d_attn, [n for part in lengths for n in part])
+            row["mfu"] = flops / seconds / (self.cfg.trainer.peak_tflops * 1e12 * self.world.size)
+        self.metrics.record(**row)
+        self.metrics.count(tokens=int(n_tokens), skipped=int(skipped))
+        if self.world.is_main and (self.state.step % self.cfg.trainer.log_freq == 0 or self.state.step == self.total_steps):
+            log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", self.state.step, self.total_steps,
+                     loss, lr, grad_norm, row["tokens_per_s"])
+
+    def _advance(self) -> dict:
+        cursor = self.state.cursor + self.batches.global_batch
+        epoch = self.state.epoch
+        if cursor + self.batches.global_batch > len(self.train_ds.valid):
+            epoch, cursor = epoch + 1, 0  # the remainder that does not fill a global batch is skipped
+        return {"step": self.state.step + 1, "epoch": epoch, "cursor": cursor}
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.cfg.optim.clip_grad or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ------------------------------------------------------------------ validation / export
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        self.model.eval()
+        micro = self.cfg.data.micro_batch_size_per_gpu
+        batches = list(eval_batches(self.val_ds, micro, self.world.rank, self.world.size, self.cfg.data.packing, self.pad_id))
+        # FSDP ranks must run the same number of forwards: pad with weight-0 repeats.
+        most = int(dist_utils.all_reduce_max(torch.tensor([len(batches)])).item())
+        totals = torch.zeros(2, dtype=torch.float64)
+        for i in range(most):
+            mb = batches[min(i, len(batches) - 1)] if batches else None
+            if mb is None:
+                continue
+            ce = ce_sum(self.model, mb, self.world.device, self.cfg.trainer.precision)
+            if i < len(batches):
+                totals += torch.tensor([ce.double().item(), mb.n_targets], dtype=torch.float64)
+        ce_total, count = dist_utils.all_reduce_sum(totals).tolist()
+        val_loss = ce_total / count
+        self.metrics.record(step=self.state.step, val_loss=val_loss)
+        if self.world.is_main:
+            log.info("step %d val_loss %.4f", self.state.step, val_loss)
+        return val_loss
+
+    def export(self) -> Path | None:
+        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        inner.config.use_cache = True  # training turned the KV cache off; serving wants it
+        out = export(self.model, self.tokenizer, self.output / "hf", self.cfg.model.path, self.cfg.lora.rank > 0,
+                     self.cfg.lora.merge_on_export, self.world.rank)
+        dist_utils.barrier()
+        return out
+
+    def close(self) -> None:
+        self.metrics.close()
