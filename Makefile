@@ -26,6 +26,7 @@ test-unit: install ## Run only the fast tests (no torchrun, no cluster)
 	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)
 
 -include hack/cluster.mk
+-include operator/operator.mk
 
 demo: install ## Fine-tune the tiny local model with LoRA on 2 processes and print where the model went
 	$(PY) -m sftjob_trainer.assets .demo/assets
