@@ -51,6 +51,9 @@ def kwok_up(nodes: int = 10, cfg: C.ClusterConfig | None = None, cpu: str = "32"
         while True:
             conds = kube.get(f"/api/v1/nodes/{name}")["status"].get("conditions") or []
             if any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
+                # The API server taints every new Node not-ready; the node lifecycle controller
+                # (not run here: the node agent plays that part for its own nodes) would lift it.
+                kube.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"taints": [TAINT]}})
                 break
             if time.time() > deadline:
                 raise TimeoutError(f"fake node {name} not Ready: see {cfg.logs / 'kwok.log'}")
