@@ -130,11 +130,10 @@ def save(store: LocalCheckpointDir, model, optimizer, state: TrainerState, rank:
     """Collective: every rank writes its shards; rank 0 commits and prunes."""
     d = store.prepare(state.step) if rank == 0 else store.path(state.step)
     dist_utils.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d))
+    write_shards(d, model, optimizer)
     dist_utils.barrier()
     if rank == 0:
-        _atomic_write(d / STATE, json.dumps(asdict(state), indent=1))
+        write_state(d, state)
         store.commit(state.step)
         pruned = store.prune(keep)
         if pruned:
@@ -154,7 +153,21 @@ def find_resumable(store: LocalCheckpointDir) -> int | None:
 
 
 def load(store: LocalCheckpointDir, step: int, model, optimizer) -> TrainerState:
-    d = store.path(step)
+    return load_dir(store.path(step), model, optimizer)
+
+
+def write_shards(d: Path, model, optimizer) -> None:
+    """Collective: every rank writes its DCP shards of model and optimizer into ``d``."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d))
+
+
+def write_state(d: Path, state: TrainerState) -> None:
+    _atomic_write(d / STATE, json.dumps(asdict(state), indent=1))
+
+
+def load_dir(d: Path, model, optimizer) -> TrainerState:
+    """Collective: load a complete checkpoint directory into model and optimizer (resharding)."""
     state = TrainerState(**json.loads((d / STATE).read_text()))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     target = {"model": model_sd, "optim": optim_sd}
@@ -162,3 +175,34 @@ def load(store: LocalCheckpointDir, step: int, model, optimizer) -> TrainerState
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
                    options=_options(strict=False))
     return state
+
+
+class LocalCheckpoints:
+    """The Checkpointer for a local (or shared) output directory: synchronous saves."""
+
+    def __init__(self, root: Path, rank: int, keep: int):
+        self.store = LocalCheckpointDir(root)
+        self.rank, self.keep = rank, keep
+        self.where = str(root)
+
+    def resumable(self) -> int | None:
+        step = find_resumable(self.store) if self.rank == 0 else None
+        return dist_utils.broadcast_object(step)
+
+    def load(self, step: int, model, optimizer) -> TrainerState:
+        return load(self.store, step, model, optimizer)
+
+    def save(self, model, optimizer, state: TrainerState, final: bool = False) -> float:  # noqa: ARG002
+        """Returns the seconds training was blocked."""
+        import time
+
+        t0 = time.perf_counter()
+        save(self.store, model, optimizer, state, self.rank, self.keep)
+        return time.perf_counter() - t0
+
+    def wait(self, deadline: float | None = None) -> int | None:  # noqa: ARG002
+        """Step of the newest committed checkpoint (saves here are synchronous)."""
+        return None
+
+    def location(self, step: int) -> str:
+        return str(self.store.path(step))

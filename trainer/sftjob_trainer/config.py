@@ -212,6 +212,16 @@ class TrainerConfig(_Section):
         description="Peak dense TFLOP/s of one accelerator (or CPU) at the compute precision, "
         "used to report MFU. Unset: MFU is not reported.",
     )
+    log_sample_ids: bool = Field(
+        default=False,
+        description="Write the ids (row numbers) of every step's samples to metrics.jsonl, to audit the data order.",
+    )
+    upload_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Deadline for one checkpoint or export upload to s3://, retries included; past it the "
+        "checkpoint is not committed and the error is logged (fatal for the final checkpoint).",
+    )
     stop_timeout_s: float = Field(
         default=120.0,
         gt=0,

@@ -1,17 +1,33 @@
-"""Token-level cross-entropy on the trained positions only.
+"""Token-level cross-entropy on the trained positions only, never over whole-batch logits.
 
 The LM head runs only on positions that have a target (``logits_to_keep``), so prompt
 tokens never cost a vocabulary-sized matmul, and the loss is a *sum* so the caller can
 normalise by the target tokens of the whole global batch.
+
+When the model's head is a `LossHead` (model.py) the head itself computes the loss in
+chunks of target tokens: per chunk the logits are formed, reduced to their
+log-sum-exp, turned into the gradient of the CE (softmax minus one-hot) and multiplied
+back into the gradients of the hidden states and of the head weight, then dropped. The
+backward pass only scales those saved gradients, so no ``[tokens, vocab]`` tensor
+outlives its chunk and the head's matmuls are not recomputed. Otherwise (e.g. a LoRA
+adapter on the head) the logits come from the model and the fp32 CE is taken in chunks.
+
+Packed rows carry ``cu_seq_lens`` so that flash-attention varlen (GPU) and our
+``sdpa_varlen`` attention (CPU) find the sequence boundaries without a mask.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 from .data import IGNORE, MicroBatch
+
+# Elements of one fp32 logits chunk (32 MiB): big enough for efficient matmuls, small next
+# to the activations of a micro-batch.
+CHUNK_ELEMENTS = 1 << 23
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -20,19 +36,113 @@ def autocast_for(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
+def chunk_rows(vocab: int) -> int:
+    return max(64, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool):
+    """(CE sum, d/d hidden, d/d weight) of the rows of ``hidden``, one chunk of logits at a time."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    w = weight.to(dtype)
+    grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    step = chunk_rows(vocab)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        for a in range(0, n, step):
+            h = hidden[a : a + step].to(dtype)
+            t = targets[a : a + step]
+            logits = (h @ w.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if not (need_h or need_w):
+                continue
+            probs = logits.sub_(lse[:, None]).exp_()  # softmax, reusing the logits buffer
+            probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
+            g = probs.to(dtype)
+            if need_h:
+                torch.mm(g, w, out=grad_h[a : a + step])
+            if need_w:
+                if dtype == torch.float32:
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w += (g.t() @ h).float()
+    return total, grad_h, grad_w
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i CE(hidden_i · weightᵀ, target_i); its gradients are formed in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, dtype):
+        total, grad_h, grad_w = _chunked(hidden, weight, targets, dtype, *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = None if grad_h is None else (grad_h * grad_out).to(ctx.dtypes[0])
+        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[1])
+        return gh, gw, None, None
+
+
+def linear_ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed CE of ``hidden @ weightᵀ`` against ``targets`` (IGNORE entries skipped), chunked.
+
+    Matmuls run in the autocast dtype when autocast is on, the softmax/log-sum-exp in fp32.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1).to(hidden.device)
+    valid = targets != IGNORE
+    if not bool(valid.all()):
+        hidden, targets = hidden[valid], targets[valid]
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        return _chunked(hidden, weight, targets, dtype, False, False)[0]
+    return _LinearCrossEntropy.apply(hidden, weight, targets, dtype)
+
+
+def chunked_ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed fp32 CE over materialised logits, cast to fp32 one chunk of rows at a time."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    step = chunk_rows(logits.shape[-1])
+    return sum(
+        F.cross_entropy(logits[a : a + step].float(), targets[a : a + step], ignore_index=IGNORE, reduction="sum")
+        for a in range(0, logits.shape[0], step)
+    )
+
+
+def varlen_kwargs(mb: MicroBatch, device: torch.device) -> dict:
+    """Sequence boundaries of a packed row, in the form transformers' varlen attention reads."""
+    if mb.attention_mask is not None or mb.input_ids.shape[0] != 1:
+        return {}
+    cu = torch.tensor([0, *itertools.accumulate(mb.seq_lengths)], dtype=torch.int32, device=device)
+    longest = max(mb.seq_lengths)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 def ce_sum(model, mb: MicroBatch, device: torch.device, precision: str) -> torch.Tensor:
     """Sum of the cross-entropy over every target token of the micro-batch."""
+    from .model import loss_head
+
     targets = mb.targets.to(device)
     keep = (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
-    with autocast_for(device, precision):
+    kept = targets[:, keep]
+    head = loss_head(model)
+    scope = head.computing_loss(kept) if head is not None else contextlib.nullcontext()
+    with autocast_for(device, precision), scope:
         out = model(
             input_ids=mb.input_ids.to(device),
             position_ids=mb.position_ids.to(device),
             attention_mask=None if mb.attention_mask is None else mb.attention_mask.to(device),
             logits_to_keep=keep,
             use_cache=False,
+            **varlen_kwargs(mb, device),
         )
-    logits = out.logits
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets[:, keep].reshape(-1), ignore_index=IGNORE, reduction="sum"
-    )
+    if head is not None:
+        return out.logits  # the head returned the CE sum itself
+    return chunked_ce_sum(out.logits, kept)

@@ -1,14 +1,26 @@
-"""Model construction: from_pretrained, optional LoRA, FSDP2 sharding.
+"""Model construction: from_pretrained, optional LoRA, the loss head, FSDP2 sharding.
 
 Each step is a small function taking only the config it needs, so the order
-(load → LoRA → activation checkpointing → shard) reads top to bottom in `build_model`.
+(load → LoRA → loss head → activation checkpointing → shard) reads top to bottom in
+`build_model`.
+
+Two throughput pieces live here because they change how the model computes, not what:
+- ``sdpa_varlen`` attention: a packed row (several sequences, positions restarting) runs
+  causal sdpa once per sequence instead of one dense block-diagonal mask over the whole
+  row, so no attention FLOPs are spent on blocks that are masked out anyway.
+- `LossHead`: the LM head, which (while a loss is requested) returns the summed
+  cross-entropy of its targets instead of logits, computed in vocabulary chunks so that
+  ``[tokens, vocab]`` logits never exist at once (see `loss.py`). It stays inside the
+  model's forward, so FSDP2 has the head's weight gathered while it runs.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import LoraConfig, ModelConfig
@@ -17,18 +29,126 @@ from .errors import InvalidConfig
 
 log = logging.getLogger(__name__)
 
+VARLEN = "sdpa_varlen"
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def sequence_bounds(kwargs: dict) -> list[int]:
+    """Start offsets of the sequences in a packed row, plus its length at the end."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is not None:
+        return [int(x) for x in cu.tolist()]
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        raise RuntimeError(f"{VARLEN} attention needs position_ids or cu_seq_lens_q to find sequence boundaries")
+    row = pos.reshape(-1)
+    starts = (row == 0).nonzero().reshape(-1).tolist()
+    if not starts or starts[0] != 0:
+        starts = [0] + starts
+    return starts + [row.numel()]
+
+
+def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal sdpa per sequence of a packed row; anything else goes to stock sdpa.
+
+    query/key/value are [1, heads, tokens, head_dim]; the result is [1, tokens, heads, head_dim]
+    like every transformers attention function.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    bounds = sequence_bounds(kwargs)
+    gqa = query.shape[1] != key.shape[1]
+    parts = [
+        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                       is_causal=True, scale=scaling, enable_gqa=gqa)
+        for a, b in zip(bounds[:-1], bounds[1:]) if b > a
+    ]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def varlen_sdpa_mask(*args, attention_mask=None, **kwargs):
+    """No mask for unpadded rows (the attention splits them by sequence); stock sdpa's otherwise."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN, varlen_sdpa_mask)
+
 
 def pick_attention(cfg: ModelConfig, device: torch.device) -> str:
     if cfg.attn_implementation != "auto":
         return cfg.attn_implementation
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
-    return "sdpa"
+    return VARLEN
+
+
+# --------------------------------------------------------------------------- loss head
+
+
+class LossHead(nn.Linear):
+    """An LM head that returns the summed CE of ``targets`` while `computing_loss` is active.
+
+    Outside that context it is the plain linear layer it replaced (same parameters and
+    state-dict keys), so export, generation and checkpoints do not see a difference.
+    """
+
+    targets: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def computing_loss(self, targets: torch.Tensor):
+        self.targets = targets
+        try:
+            yield
+        finally:
+            self.targets = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return super().forward(hidden)
+        from .loss import linear_ce_sum
+
+        return linear_ce_sum(hidden, self.weight, self.targets)
+
+
+def install_loss_head(model: nn.Module) -> bool:
+    """Turn a bias-free nn.Linear LM head into a `LossHead` in place; False if the head is something else."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or head.bias is not None:
+        log.info("LM head %s is not a plain linear layer: the loss is taken on materialised logits",
+                 type(head).__name__)
+        return False
+    head.__class__ = LossHead
+    return True
+
+
+def loss_head(model: nn.Module) -> LossHead | None:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    return head if isinstance(head, LossHead) else None
+
+
+# --------------------------------------------------------------------------- building
 
 
 def load_model(cfg: ModelConfig, local_path: str, device: torch.device) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
+    register_attention()
     attn = pick_attention(cfg, device)
     try:
         model = AutoModelForCausalLM.from_pretrained(
@@ -100,6 +220,7 @@ def shard_model(model: nn.Module, world: World) -> nn.Module:
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World) -> nn.Module:
     model = load_model(model_cfg, local_path, world.device)
     model = apply_lora(model, lora_cfg)
+    install_loss_head(model)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
     model = shard_model(model, world)
@@ -115,6 +236,9 @@ def matmul_params(model: nn.Module) -> int:
     emb = inner.get_input_embeddings()
     n_emb = emb.weight.numel() if emb is not None else 0
     total = sum(p.numel() for n, p in inner.named_parameters() if "lora_" not in n)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if head is not None and emb is not None and head.weight is emb.weight:
+        return total  # tied: the one table is both a lookup and the LM head's matmul
     return total - n_emb
 
 

@@ -5,11 +5,19 @@ the trainer never branches on the URI scheme.
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import logging
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
+from pathlib import Path
 from urllib.parse import urlparse
 
 from pyarrow import fs as pafs
+
+log = logging.getLogger(__name__)
 
 
 def is_s3(uri: str) -> bool:
@@ -42,3 +50,144 @@ def parquet_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         bucket, key = split_s3(uri)
         return _s3_filesystem(), f"{bucket}/{key}"
     return pafs.LocalFileSystem(), os.path.abspath(uri)
+
+
+# --------------------------------------------------------------------------- S3 objects
+
+
+
+class UploadError(RuntimeError):
+    """An object could not be written within its retries and deadline."""
+
+
+class S3Prefix:
+    """Objects under one s3://bucket/prefix, with bounded retries and deadlines.
+
+    botocore retries each request a few times on its own; on top of that every upload
+    has a deadline, so a stalled store fails the operation loudly instead of hanging.
+    """
+
+    def __init__(self, uri: str, attempts: int = 5, deadline_s: float = 600.0, workers: int = 8):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, prefix = split_s3(uri.rstrip("/"))
+        self.prefix = prefix.rstrip("/")
+        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self.attempts, self.deadline_s, self.workers = attempts, deadline_s, workers
+        self.client = boto3.client(
+            "s3",
+            config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60),
+        )
+        self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def _retry(self, what: str, fn, deadline: float | None = None):
+        deadline = deadline or (time.monotonic() + self.deadline_s)
+        delay = 0.5
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return fn()
+            except Exception as err:  # noqa: BLE001 - botocore raises many kinds
+                left = deadline - time.monotonic()
+                if attempt == self.attempts or left <= 0:
+                    raise UploadError(f"{what}: failed after {attempt} attempts: {err}") from err
+                log.warning("%s: attempt %d failed (%s); retrying in %.1fs", what, attempt, err, min(delay, left))
+                time.sleep(min(delay, max(left, 0)))
+                delay *= 2
+
+    def upload_file(self, local: Path, rel: str, deadline: float | None = None) -> None:
+        self._retry(f"upload {self.uri}/{rel}",
+                    lambda: self.client.upload_file(str(local), self.bucket, self.key(rel), Config=self.transfer),
+                    deadline)
+
+    def upload_dir(self, local: Path, rel: str, deadline: float | None = None) -> dict[str, int]:
+        """Upload every file under ``local`` to ``rel/``, in parallel; returns {path: size}."""
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            list(pool.map(lambda p: self.upload_file(p, f"{rel}/{p.relative_to(local)}", deadline), files))
+        return {str(p.relative_to(local)): p.stat().st_size for p in files}
+
+    def put_text(self, rel: str, text: str, deadline: float | None = None) -> None:
+        body = text.encode()
+        self._retry(f"put {self.uri}/{rel}",
+                    lambda: self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body), deadline)
+
+    def get_text(self, rel: str) -> str | None:
+        try:
+            obj = self.client.get_object(Bucket=self.bucket, Key=self.key(rel))
+        except self.client.exceptions.NoSuchKey:
+            return None
+        return obj["Body"].read().decode()
+
+    def list(self, rel: str) -> dict[str, int]:
+        """{path relative to ``rel``: size} of every object under ``rel/``."""
+        base = self.key(rel).rstrip("/") + "/"
+        out: dict[str, int] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            for obj in page.get("Contents", []):
+                out[obj["Key"][len(base):]] = obj["Size"]
+        return out
+
+    def download_dir(self, rel: str, dest: Path) -> None:
+        objects = self.list(rel)
+        if not objects:
+            raise FileNotFoundError(f"nothing under {self.uri}/{rel}")
+        dest.mkdir(parents=True, exist_ok=True)
+
+        def fetch(name: str) -> None:
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._retry(f"download {self.uri}/{rel}/{name}",
+                        lambda: self.client.download_file(self.bucket, self.key(f"{rel}/{name}"), str(target)))
+
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            list(pool.map(fetch, sorted(objects)))
+
+    def delete_dir(self, rel: str) -> None:
+        keys = [self.key(f"{rel}/{name}") for name in self.list(rel)]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket,
+                                       Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+
+
+def local_root(output_dir: str) -> Path:
+    """Node-local scratch space for an s3:// output (staging checkpoints and exports)."""
+    base = Path(os.environ.get("SFTJOB_LOCAL_DIR") or "/tmp/sftjob")
+    return base / hashlib.sha256(output_dir.encode()).hexdigest()[:16]
+
+
+def fetch_once(uri: str, dest: Path) -> Path:
+    """Download an s3:// prefix to ``dest`` once per node, whatever the number of local ranks.
+
+    The first process to take the lock downloads; the others find the completion marker.
+    """
+    done = dest / ".sftjob-complete"
+    if done.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(dest) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            log.info("downloading %s to %s", uri, dest)
+            _download_prefix(uri, dest)
+            done.write_text(uri + "\n")
+    return dest
+
+
+def _download_prefix(uri: str, dest: Path) -> None:
+    bucket, key = split_s3(uri.rstrip("/"))
+    parent, _, leaf = key.rpartition("/")
+    store = S3Prefix(f"s3://{bucket}/{parent}" if parent else f"s3://{bucket}")
+    store.download_dir(leaf, dest)
+
+
+def local_model_path(path: str) -> str:
+    """A local directory holding the model: ``path`` itself, or a per-node cache of an s3:// prefix."""
+    if not is_s3(path):
+        return path
+    cache = Path(os.environ.get("SFTJOB_MODEL_CACHE") or "/tmp/sftjob-models")
+    return str(fetch_once(path, cache / hashlib.sha256(path.encode()).hexdigest()[:16]))

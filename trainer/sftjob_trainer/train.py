@@ -20,6 +20,8 @@ from .loss import ce_sum
 from .metrics import Metrics, step_flops
 from .model import attention_dims, build_model, matmul_params
 from .optim import build_optimizer, set_lr
+from .outputs import Outputs
+from .storage import local_model_path
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +35,14 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self.at = 0.0
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         if not self.requested:
+            self.at = time.monotonic()
             log.warning("SIGTERM: will checkpoint at the next step boundary and exit")
         self.requested = True
 
@@ -48,8 +52,13 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.cfg, self.world, self.stop = cfg, world, stop
-        self.output = Path(cfg.trainer.output_dir)
-        model_path = cfg.model.path
+        self.outputs = Outputs(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
+                               cfg.trainer.upload_timeout_s)
+        self.output = self.outputs.local
+        try:
+            self.model_path = model_path = local_model_path(cfg.model.path)
+        except Exception as err:  # noqa: BLE001 - any failure to fetch the model is a config problem
+            raise InvalidConfig(f"model.path {cfg.model.path}: cannot download the model ({err})") from None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError) as err:
@@ -68,7 +77,8 @@ class Trainer:
         self.n_matmul = matmul_params(self.model)
         self.n_layers, self.d_attn = attention_dims(self.model)
 
-        self.store = ckpt.LocalCheckpointDir(self.output / "checkpoints")
+        self.checkpoints = self.outputs.checkpoints
+        self.outputs.restore_metrics()
         self.metrics = Metrics(self.output / "metrics.jsonl" if world.is_main else None,
                                cfg.trainer.metrics_port if world.is_main else 0)
         self.state = ckpt.TrainerState(
@@ -84,12 +94,11 @@ class Trainer:
     # ------------------------------------------------------------------ resume / save
 
     def _resume(self) -> None:
-        step = ckpt.find_resumable(self.store) if self.world.is_main else None
-        step = dist_utils.broadcast_object(step)
+        step = self.checkpoints.resumable()
         if step is None:
-            log.info("no committed checkpoint under %s: starting from step 0", self.store.root)
+            log.info("no committed checkpoint under %s: starting from step 0", self.checkpoints.where)
             return
-        saved = ckpt.load(self.store, step, self.model, self.optimizer)
+        saved = self.checkpoints.load(step, self.model, self.optimizer)
         if saved.global_batch != self.state.global_batch:
             raise InvalidConfig(
                 f"checkpoint step-{step} was trained with data.train_batch_size={saved.global_batch}; resuming with "
@@ -102,22 +111,24 @@ class Trainer:
             )
         self.state = ckpt.TrainerState(**{**saved.__dict__, "total_steps": self.total_steps, "world_size": self.world.size})
         self.last_committed = step
-        log.info("resumed from %s (epoch %d, cursor %d; saved by %d processes, now %d)", self.store.path(step),
+        log.info("resumed from %s (epoch %d, cursor %d; saved by %d processes, now %d)", self.checkpoints.location(step),
                  saved.epoch, saved.cursor, saved.world_size, self.world.size)
 
-    def save(self) -> None:
+    def save(self, final: bool = False) -> None:
+        """Checkpoint the current step; ``final`` also waits until it is committed."""
         if self.state.step == self.last_committed:
+            self.checkpoints.wait(raise_errors=final)
             return  # never rewrite (and so briefly lose) a committed checkpoint
-        t0 = time.perf_counter()
-        ckpt.save(self.store, self.model, self.optimizer, self.state, self.world.rank, self.cfg.trainer.keep_checkpoints)
+        blocked = self.checkpoints.save(self.model, self.optimizer, self.state, final=final)
         self.last_committed = self.state.step
-        seconds = time.perf_counter() - t0
-        log.info("checkpoint step-%d committed in %.2fs", self.state.step, seconds)
-        self.metrics.gauge(last_checkpoint_step=self.state.step, checkpoint_save_seconds=seconds)
+        log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
+                 "" if final or not self.outputs.remote else " (uploading in the background)")
+        self.metrics.gauge(last_checkpoint_step=self.state.step, checkpoint_save_seconds=blocked)
+        self.outputs.publish_metrics()
 
     # ------------------------------------------------------------------ loop
 
-    def train(self) -> Path | None:
+    def train(self) -> str:
         cfg = self.cfg.trainer
         while self.state.step < self.total_steps:
             micro_batches = self.batches.step_batches(self.state.epoch, self.state.cursor)
@@ -125,14 +136,14 @@ class Trainer:
                                   float(self.stop.requested)], dtype=torch.float64)
             n_targets, n_tokens, stops = dist_utils.all_reduce_sum(local).tolist()
             if stops:
-                self.save()
+                self.save(final=True)
                 raise Preempted(f"checkpoint step-{self.state.step} committed")
             self._train_step(micro_batches, n_targets, n_tokens)
             if cfg.save_freq and self.state.step % cfg.save_freq == 0:
                 self.save()
             if self.val_ds is not None and cfg.test_freq and self.state.step % cfg.test_freq == 0:
                 self.validate()
-        self.save()  # a preemption during validation/export resumes straight into them
+        self.save(final=True)  # a preemption during validation/export resumes straight into them
         if self.val_ds is not None:
             self.validate()
         return self.export()
@@ -164,6 +175,9 @@ class Trainer:
         self.state = ckpt.TrainerState(**{**self.state.__dict__, **self._advance(), "tokens_seen": self.state.tokens_seen + int(n_tokens)})
         row = dict(step=self.state.step, epoch=self.state.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
                    tokens=int(n_tokens), tokens_per_s=n_tokens / seconds)
+        if self.cfg.trainer.log_sample_ids:
+            ids = dist_utils.all_gather_objects([i for mb in micro_batches for i in mb.sample_ids])
+            row["sample_ids"] = [i for part in ids for i in part]
         if self.cfg.trainer.peak_tflops:
             lengths = dist_utils.all_gather_objects([n for mb in micro_batches for n in mb.seq_lengths])
             flops = step_flops(self.n_matmul, self.n_layers, self.d_attn, [n for part in lengths for n in part])
@@ -213,13 +227,21 @@ class Trainer:
             log.info("step %d val_loss %.4f", self.state.step, val_loss)
         return val_loss
 
-    def export(self) -> Path | None:
+    def export(self) -> str:
         inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         inner.config.use_cache = True  # training turned the KV cache off; serving wants it
-        out = export(self.model, self.tokenizer, self.output / "hf", self.cfg.model.path, self.cfg.lora.rank > 0,
-                     self.cfg.lora.merge_on_export, self.world.rank)
+        lora = self.cfg.lora.rank > 0
+        export(self.model, self.tokenizer, self.output / "hf", self.model_path, lora, self.cfg.lora.merge_on_export,
+               self.world.rank)
+        if lora:
+            self.outputs.publish_dir("hf/adapter")
+        final = "hf/final" if (not lora or self.cfg.lora.merge_on_export) else "hf/adapter"
+        if final == "hf/final":
+            self.outputs.publish_dir(final)
+        self.outputs.publish_metrics()
         dist_utils.barrier()
-        return out
+        return self.outputs.location(final)
 
     def close(self) -> None:
+        self.checkpoints.wait(raise_errors=False)
         self.metrics.close()
