@@ -152,6 +152,11 @@ fi
 
 components=("$@")
 [[ ${#components[@]} -gt 0 ]] || components=(k8s etcd helm minio kwok)
+mkdir -p "$CACHE"
+# One build at a time per cache: two test sessions starting together must not both write the
+# same bin.tmp, and two Go builds at once would only fight over the two cores.
+exec 9>"$CACHE/.build.lock"
+flock 9
 for c in "${components[@]}"; do
   dir_of "$c" >/dev/null
   "build_$c"

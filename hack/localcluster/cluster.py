@@ -8,6 +8,9 @@ that command and can be reused by any later test session.
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -16,6 +19,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -364,11 +368,26 @@ def _argv(cfg: C.ClusterConfig, name: str, sec: dict) -> tuple[list[str], dict |
 # up / down
 
 
+@contextlib.contextmanager
+def _locked(cfg: C.ClusterConfig):
+    """Serialise up/down of one cluster between processes (two test sessions starting at once).
+    The lock file lives outside the state directory, which down() removes."""
+    digest = hashlib.sha1(str(cfg.state_dir).encode()).hexdigest()[:12]
+    with open(Path(tempfile.gettempdir()) / f"sftjob-cluster-{digest}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.ClusterConfig:
     """Build missing binaries, then start whatever is not running. A no-op on a healthy cluster."""
     cfg = cfg or C.load()
-    t0 = time.time()
     ensure_binaries()
+    with _locked(cfg):
+        return _up(cfg, timeout)
+
+
+def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
+    t0 = time.time()
     st = status(cfg)
     if all(st.values()):
         log(f"cluster already up ({cfg.state_dir})")
@@ -444,6 +463,11 @@ def _clean(cfg: C.ClusterConfig) -> None:
 def down(cfg: C.ClusterConfig | None = None) -> None:
     """Stop every process of the cluster (pods included) and remove its state and network."""
     cfg = cfg or C.load()
+    with _locked(cfg):
+        _down(cfg)
+
+
+def _down(cfg: C.ClusterConfig) -> None:
     if cfg.pids.exists():
         for name in ("kwok",) + tuple(reversed(COMPONENTS)):  # kwok is optional (kwok.kwok_up)
             _stop(cfg, name)

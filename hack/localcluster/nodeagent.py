@@ -399,7 +399,9 @@ class PodRunner(threading.Thread):
                                       stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, cwd="/")
         c.started_at = now()
         c.state = {"running": {"startedAt": c.started_at}}
-        log(f"{self.ns}/{self.name}: started {c.name} pid {c.proc.pid} ip {self.ip}: {argv}")
+        shown = " ".join(argv)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        log(f"{self.ns}/{self.name}: started {c.name} pid {c.proc.pid} ip {self.ip}: {shown}")
 
     def _reap(self, c: Container) -> bool:
         """Record the container's exit if it has exited; True when it did."""
