@@ -1,0 +1,212 @@
+"""Why the operator needs each verb the chart grants, and a probe that exercises it.
+
+`NEEDS` maps (apiGroup, resource, verb) to the operator code path that makes the call and
+a probe: an async function that makes the same API request the code path makes, through
+`sftjob_operator.kube.Kube` where the operator itself goes through it, with the operator's
+ServiceAccount token. A probe raises `ApiException(403)` when the verb is not granted.
+
+The unit test checks that the chart's rules grant exactly the verbs in this table; the
+cluster test takes each verb away in turn and checks that its probe is refused while the
+other verbs still work. What that proves: each granted verb is used by the named code path
+and is not implied by another rule. What it does not prove on its own: that the operator
+fails visibly without it (kopf, for instance, degrades to a warning without the CRD watch);
+the table says what breaks.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from sftjob_operator import api, builders
+from sftjob_operator.kube import Kube
+
+Probe = Callable[["ProbeContext"], Awaitable[Any]]
+
+
+@dataclass
+class ProbeContext:
+    kube: Kube              # the operator's client, with the ServiceAccount's token
+    namespace: str          # where the probe job lives
+    job: dict[str, Any]     # a suspended SFTJob in that namespace, as read by the admin
+    node: str               # a Node name
+
+    @property
+    def ref(self) -> builders.JobRef:
+        return builders.JobRef.from_body(self.job)
+
+    @property
+    def spec(self) -> api.SFTJobSpec:
+        return builders.parse_spec(self.job["spec"])
+
+
+def _watch(path: str) -> Probe:
+    """kopf's watch request (list+watch streams); a 1-second server timeout ends it."""
+    async def probe(ctx: ProbeContext) -> Any:
+        url = path.format(ns=ctx.namespace)
+        return await asyncio.to_thread(
+            ctx.kube.client.call_api, url, "GET", query_params=[("watch", "true"), ("timeoutSeconds", "1")],
+            auth_settings=["BearerToken"], _return_http_data_only=True, _preload_content=False,
+            _request_timeout=10)
+    return probe
+
+
+def _list(path: str) -> Probe:
+    async def probe(ctx: ProbeContext) -> Any:
+        url = path.format(ns=ctx.namespace)
+        return await asyncio.to_thread(ctx.kube.client.call_api, url, "GET", query_params=[("limit", "1")],
+                                       auth_settings=["BearerToken"], _return_http_data_only=True,
+                                       _preload_content=False)
+    return probe
+
+
+async def _get_job(ctx):
+    assert await ctx.kube.get_job(ctx.namespace, ctx.job["metadata"]["name"]) is not None
+
+
+async def _list_jobs(ctx):
+    await ctx.kube.list_jobs(None)
+
+
+async def _patch_job(ctx):
+    # kopf keeps its progress and last-handled spec in annotations (AnnotationsProgressStorage).
+    meta = ctx.job["metadata"]
+    await asyncio.to_thread(ctx.kube.custom.patch_namespaced_custom_object, api.GROUP, api.VERSION,
+                            meta["namespace"], api.PLURAL, meta["name"],
+                            {"metadata": {"annotations": {"kopf.sftjob.io/rbac-probe": "1"}}})
+
+
+async def _delete_job(ctx):
+    # The precondition on a uid that never existed makes the authorized call a no-op (409,
+    # swallowed by delete_job); authorization is checked before the precondition.
+    await ctx.kube.delete_job(ctx.namespace, ctx.job["metadata"]["name"], "00000000-0000-0000-0000-000000000000")
+
+
+async def _patch_status(ctx):
+    await ctx.kube.merge_status(ctx.namespace, ctx.job["metadata"]["name"], {})
+
+
+async def _get_pod(ctx):
+    # pods_owned_by reads each pod by name; a missing one is a 404 (False), not an error.
+    assert await ctx.kube.pods_owned_by(ctx.namespace, ["rbac-probe-absent"], ctx.job["metadata"]["uid"]) is False
+
+
+async def _list_pods(ctx):
+    await ctx.kube.list_pods(ctx.namespace, ctx.job["metadata"]["name"])
+
+
+def _dry_run_create(kind: str) -> Probe:
+    """The manifest the reconciler creates, created with dryRun=All (same authorization)."""
+    async def probe(ctx: ProbeContext) -> Any:
+        core, ns = ctx.kube.core, ctx.namespace
+        if kind == "Pod":
+            fn, body = core.create_namespaced_pod, builders.build_pod(ctx.ref, ctx.spec, rank=0, attempt=0)
+        elif kind == "Service":
+            fn, body = core.create_namespaced_service, builders.build_service(ctx.ref)
+        elif kind == "ConfigMap":
+            fn, body = core.create_namespaced_config_map, builders.build_config_map(ctx.ref, ctx.spec)
+        else:  # the Event post_event writes
+            fn, body = core.create_namespaced_event, {
+                "metadata": {"generateName": "rbac-probe.", "namespace": ns},
+                "involvedObject": {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
+                                   "name": ctx.job["metadata"]["name"], "namespace": ns,
+                                   "uid": ctx.job["metadata"]["uid"]},
+                "type": "Normal", "reason": "RBACProbe", "message": "probe",
+                "source": {"component": "sftjob-operator"}}
+        return await asyncio.to_thread(fn, ns, body, dry_run="All")
+    return probe
+
+
+async def _delete_pod(ctx):
+    await ctx.kube.delete_pod(ctx.namespace, "rbac-probe-absent")  # 404 is swallowed, 403 is not
+
+
+async def _patch_config_map(ctx):
+    # apply_config_map patches an existing ConfigMap's data; the probe's target does not
+    # exist, so an authorized call answers 404.
+    try:
+        await asyncio.to_thread(ctx.kube.core.patch_namespaced_config_map, "rbac-probe-absent", ctx.namespace,
+                                {"data": {}})
+    except ApiException as err:
+        if err.status != 404:
+            raise
+
+
+async def _get_node(ctx):
+    # node_ready() swallows 403 (and remembers it); the probe reads the node the same way
+    # but lets the refusal through.
+    await asyncio.to_thread(ctx.kube.core.read_node, ctx.node, _preload_content=False)
+
+
+JOBS = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{{ns}}/{api.PLURAL}"
+ALL_JOBS = f"/apis/{api.GROUP}/{api.VERSION}/{api.PLURAL}"
+CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+# (apiGroup, resource, verb) -> (who needs it, probe)
+NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
+    ("sftjob.io", "sftjobs", "get"): ("kube.get_job: every reconcile pass reads the job fresh", _get_job),
+    ("sftjob.io", "sftjobs", "list"): ("kopf's initial listing; kube.list_jobs: the 60 s resync", _list_jobs),
+    ("sftjob.io", "sftjobs", "watch"): ("kopf watch behind on_job/on_job_event (create, update, delete)",
+                                        _watch(ALL_JOBS)),
+    ("sftjob.io", "sftjobs", "patch"): ("kopf: progress and last-handled-configuration annotations", _patch_job),
+    ("sftjob.io", "sftjobs", "delete"): ("kube.delete_job: ttlSecondsAfterFinished (ttl.py)", _delete_job),
+    ("sftjob.io", "sftjobs/status", "patch"): ("kube.patch_status / merge_status: every status write",
+                                               _patch_status),
+    ("", "pods", "get"): ("kube.pods_owned_by: a same-named pod of a deleted job blocks the launch", _get_pod),
+    ("", "pods", "list"): ("kube.list_pods (every pass); kopf's pod listing", _list_pods),
+    ("", "pods", "watch"): ("kopf watch behind on_pod_event (a pod change requeues its job)",
+                            _watch("/api/v1/namespaces/{ns}/pods")),
+    ("", "pods", "create"): ("kube.create: the gang's pods (builders.build_pod)", _dry_run_create("Pod")),
+    ("", "pods", "delete"): ("kube.delete_pod: gang restart, suspend, cleanPodPolicy", _delete_pod),
+    ("", "services", "create"): ("kube.create: the headless Service (builders.build_service)",
+                                 _dry_run_create("Service")),
+    ("", "configmaps", "create"): ("kube.apply_config_map: the trainer config (builders.build_config_map)",
+                                   _dry_run_create("ConfigMap")),
+    ("", "configmaps", "patch"): ("kube.apply_config_map: refresh the config of an existing job",
+                                  _patch_config_map),
+    ("", "events", "create"): ("kube.post_event (and kopf's warning events)", _dry_run_create("Event")),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "list"): (
+        "kopf resource observer: lists CRDs before watching them", _list(CRDS)),
+    ("apiextensions.k8s.io", "customresourcedefinitions", "watch"): (
+        "kopf resource observer: notices the SFTJob CRD appear or change (an operator started "
+        "before its CRD is established, a CRD upgrade); without it kopf only warns and never "
+        "serves a CRD it did not see at start-up", _watch(CRDS)),
+    ("", "nodes", "get"): ("kube.node_ready: a NotReady node restarts the gang at once (rbac.readNodes)",
+                           _get_node),
+}
+
+
+def sa_kube(server: str, cafile: str, token: str) -> Kube:
+    conf = kubernetes.client.Configuration()
+    conf.host = server
+    conf.ssl_ca_cert = cafile
+    conf.api_key = {"authorization": f"Bearer {token}"}
+    return Kube(kubernetes.client.ApiClient(conf))
+
+
+def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    """Expand RBAC rules into (apiGroup, resource, verb) triples."""
+    out = set()
+    for rule in rules:
+        assert not rule.get("resourceNames") and not rule.get("nonResourceURLs"), rule
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                for verb in rule["verbs"]:
+                    out.add((group, res, verb))
+    return out
+
+
+async def refused(ctx: ProbeContext, key: tuple[str, str, str]) -> bool:
+    """True when the probe is refused (403), False when it succeeds; other errors raise."""
+    try:
+        resp = await NEEDS[key][1](ctx)
+        if hasattr(resp, "close"):  # a streamed (watch) or unread response
+            resp.close()
+        return False
+    except ApiException as err:
+        if err.status == 403:
+            return True
+        raise
