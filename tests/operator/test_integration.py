@@ -256,8 +256,13 @@ def test_deleted_pod_restarts_gang_and_resumes(cluster, operator, example_ns):
         chaos.stop()
         rec.stop()
     assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, name, operator)
-    assert job["status"]["restarts"] == {"failures": 0, "preemptions": 1, "total": 1}
-    print(f"operator killed {chaos.kills} times; checkpoint before deletion: step {ckpt}")
+    restarts = job["status"]["restarts"]
+    # Exactly 1 right after the deletion (waited for above). On a cluster shared with other
+    # suites a simulated node loss can preempt the job once more; that must also count as a
+    # preemption, never as a failure.
+    assert restarts["failures"] == 0 and restarts["preemptions"] >= 1, restarts
+    assert restarts["total"] == restarts["preemptions"]
+    print(f"operator killed {chaos.kills} times; checkpoint before deletion: step {ckpt}; restarts {restarts}")
     rec.check_invariants(nodes=2)
     after = [s.get("progress", {}).get("step") for _, s, _ in rec.samples if s.get("attempt", 0) >= 1
              and s.get("phase") == "Running"]
