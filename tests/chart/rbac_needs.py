@@ -43,24 +43,25 @@ class ProbeContext:
         return builders.parse_spec(self.job["spec"])
 
 
-def _watch(path: str) -> Probe:
-    """kopf's watch request (list+watch streams); a 1-second server timeout ends it."""
+def _watch(what: str) -> Probe:
+    """kopf's watch request (GET ...?watch=true); a 1-second server timeout ends it."""
     async def probe(ctx: ProbeContext) -> Any:
-        url = path.format(ns=ctx.namespace)
-        return await asyncio.to_thread(
-            ctx.kube.client.call_api, url, "GET", query_params=[("watch", "true"), ("timeoutSeconds", "1")],
-            auth_settings=["BearerToken"], _return_http_data_only=True, _preload_content=False,
-            _request_timeout=10)
+        kw = {"watch": True, "timeout_seconds": 1, "_preload_content": False, "_request_timeout": 10}
+        if what == "sftjobs":
+            return await asyncio.to_thread(ctx.kube.custom.list_cluster_custom_object, api.GROUP, api.VERSION,
+                                           api.PLURAL, **kw)
+        if what == "pods":
+            return await asyncio.to_thread(ctx.kube.core.list_namespaced_pod, ctx.namespace, **kw)
+        return await asyncio.to_thread(_crds(ctx).list_custom_resource_definition, **kw)
     return probe
 
 
-def _list(path: str) -> Probe:
-    async def probe(ctx: ProbeContext) -> Any:
-        url = path.format(ns=ctx.namespace)
-        return await asyncio.to_thread(ctx.kube.client.call_api, url, "GET", query_params=[("limit", "1")],
-                                       auth_settings=["BearerToken"], _return_http_data_only=True,
-                                       _preload_content=False)
-    return probe
+def _crds(ctx: ProbeContext) -> kubernetes.client.ApiextensionsV1Api:
+    return kubernetes.client.ApiextensionsV1Api(ctx.kube.client)
+
+
+async def _list_crds(ctx):
+    return await asyncio.to_thread(_crds(ctx).list_custom_resource_definition, limit=1, _preload_content=False)
 
 
 async def _get_job(ctx):
@@ -141,16 +142,12 @@ async def _get_node(ctx):
     await asyncio.to_thread(ctx.kube.core.read_node, ctx.node, _preload_content=False)
 
 
-JOBS = f"/apis/{api.GROUP}/{api.VERSION}/namespaces/{{ns}}/{api.PLURAL}"
-ALL_JOBS = f"/apis/{api.GROUP}/{api.VERSION}/{api.PLURAL}"
-CRDS = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-
 # (apiGroup, resource, verb) -> (who needs it, probe)
 NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
     ("sftjob.io", "sftjobs", "get"): ("kube.get_job: every reconcile pass reads the job fresh", _get_job),
     ("sftjob.io", "sftjobs", "list"): ("kopf's initial listing; kube.list_jobs: the 60 s resync", _list_jobs),
     ("sftjob.io", "sftjobs", "watch"): ("kopf watch behind on_job/on_job_event (create, update, delete)",
-                                        _watch(ALL_JOBS)),
+                                        _watch("sftjobs")),
     ("sftjob.io", "sftjobs", "patch"): ("kopf: progress and last-handled-configuration annotations", _patch_job),
     ("sftjob.io", "sftjobs", "delete"): ("kube.delete_job: ttlSecondsAfterFinished (ttl.py)", _delete_job),
     ("sftjob.io", "sftjobs/status", "patch"): ("kube.patch_status / merge_status: every status write",
@@ -158,7 +155,7 @@ NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
     ("", "pods", "get"): ("kube.pods_owned_by: a same-named pod of a deleted job blocks the launch", _get_pod),
     ("", "pods", "list"): ("kube.list_pods (every pass); kopf's pod listing", _list_pods),
     ("", "pods", "watch"): ("kopf watch behind on_pod_event (a pod change requeues its job)",
-                            _watch("/api/v1/namespaces/{ns}/pods")),
+                            _watch("pods")),
     ("", "pods", "create"): ("kube.create: the gang's pods (builders.build_pod)", _dry_run_create("Pod")),
     ("", "pods", "delete"): ("kube.delete_pod: gang restart, suspend, cleanPodPolicy", _delete_pod),
     ("", "services", "create"): ("kube.create: the headless Service (builders.build_service)",
@@ -169,11 +166,11 @@ NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
                                   _patch_config_map),
     ("", "events", "create"): ("kube.post_event (and kopf's warning events)", _dry_run_create("Event")),
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"): (
-        "kopf resource observer: lists CRDs before watching them", _list(CRDS)),
+        "kopf resource observer: lists CRDs before watching them", _list_crds),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"): (
         "kopf resource observer: notices the SFTJob CRD appear or change (an operator started "
         "before its CRD is established, a CRD upgrade); without it kopf only warns and never "
-        "serves a CRD it did not see at start-up", _watch(CRDS)),
+        "serves a CRD it did not see at start-up", _watch("crds")),
     ("", "nodes", "get"): ("kube.node_ready: a NotReady node restarts the gang at once (rbac.readNodes)",
                            _get_node),
 }

@@ -1,0 +1,266 @@
+"""The chart on the local cluster: server-side validation, install -> example Succeeded ->
+upgrade with a changed CRD -> uninstall, and every RBAC verb taken away in turn.
+
+The operator installed by the chart runs as a pod of the chart's Deployment (the node agent
+runs it as a local process, without the image, with the projected ServiceAccount token and
+no kubeconfig), so everything it does goes through the chart's RBAC. Its namespace and the
+job's namespace enforce the `restricted` Pod Security Standard, so the API server itself
+refuses an operator or training pod that could run as root or escalate privileges.
+
+The cluster may be shared with other test runs: the operator is installed namespace-scoped
+(it never touches other tests' jobs), and the CRD, which is cluster-wide, is only adopted,
+extended by one optional field and then restored; `crds.keep=false` (uninstall deletes the
+CRD and with it every SFTJob in the cluster) is therefore checked by rendering only.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.fixtures.cluster import wait_for
+
+from .chart_kit import CHART, CRD_SOURCE, REPO, render_text
+from .rbac_needs import NEEDS, ProbeContext, refused, sa_kube
+
+pytestmark = pytest.mark.cluster
+EXAMPLE = REPO / "examples" / "sftjob.yaml"
+CRD_NAME = "sftjobs.sftjob.io"
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
+TRAINER_IMAGE = "registry.example/sftjob/trainer:e2e"
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+def restrict(cluster, ns: str) -> None:
+    cluster.kube.merge_patch(f"/api/v1/namespaces/{ns}", {"metadata": {"labels": RESTRICTED}})
+
+
+@pytest.fixture
+def system_ns(cluster):
+    """The operator's own namespace (the chart's release namespace), restricted."""
+    name = f"sftjob-system-{uuid.uuid4().hex[:6]}"
+    cluster.kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                               "metadata": {"name": name, "labels": RESTRICTED}})
+    yield name
+    cluster.kube.delete(f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def shared_crd(cluster):
+    """The CRD as crds/ has it before and after the test (it is shared by every test run)."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_SOURCE))
+    yield
+    # replace, not apply: fields another manager (helm) added must go too.
+    cluster.kubectl("replace", "-f", str(CRD_SOURCE))
+    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+
+
+def adopt_crd(cluster, release: str, namespace: str) -> None:
+    """A CRD applied with kubectl first must be adopted before Helm manages it (README)."""
+    cluster.kubectl("label", "--overwrite", "crd", CRD_NAME, "app.kubernetes.io/managed-by=Helm")
+    cluster.kubectl("annotate", "--overwrite", "crd", CRD_NAME, f"meta.helm.sh/release-name={release}",
+                    f"meta.helm.sh/release-namespace={namespace}")
+
+
+def example(name: str, **spec: object) -> dict:
+    obj = yaml.safe_load(EXAMPLE.read_text())
+    obj["metadata"]["name"] = name
+    obj["spec"].update(spec)
+    return obj
+
+
+def operator_pod(cluster, ns: str, release: str) -> dict:
+    pods = cluster.kube.get(f"/api/v1/namespaces/{ns}/pods?labelSelector=app.kubernetes.io/instance%3D{release}")
+    live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")
+            and p["status"].get("phase") == "Running"]
+    return live[0] if len(live) == 1 else None
+
+
+# ---------------------------------------------------------------------------------- tests
+
+def test_rendered_chart_passes_server_side_validation(cluster, namespace, shared_crd):
+    """Acceptance 1: every rendered object is valid for the 1.36 API server's OpenAPI
+    (strict: unknown fields fail). Monitoring objects are left out: their CRDs
+    (prometheus-operator) are not installed here."""
+    for values in ({}, {"watchNamespaces": f"{{{namespace}}}", "dashboard.enabled": "true",
+                        "rbac.ownerReferencesPermissionEnforcement": "true", "trainer.serviceAccountName": "t",
+                        "image.digest": "sha256:" + "b" * 64}):
+        docs = [d for d in yaml.safe_load_all(render_text(values, namespace=namespace)) if d]
+        docs = [d for d in docs if d["apiVersion"] != "monitoring.coreos.com/v1"]
+        res = cluster.kubectl("apply", "--dry-run=server", "--validate=strict", "-o", "json", "-f", "-",
+                              input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        out = json.loads(res.stdout)
+        kinds = sorted(i["kind"] for i in out["items"])
+        assert {"CustomResourceDefinition", "Deployment", "ClusterRole", "ServiceAccount", "Service",
+                "NetworkPolicy"} <= set(kinds), kinds
+        crd = next(i for i in out["items"] if i["kind"] == "CustomResourceDefinition")
+        optim = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+            "training"]["properties"]["optim"]["properties"]
+        assert isinstance(optim["eps"]["default"], float), "toYaml's 1e-08 must reach the API as a number"
+
+
+def test_misspelled_value_fails_helm_install(cluster, namespace):
+    """Acceptance 1: a typo in a value fails the install before anything is created."""
+    res = cluster.helm("install", "typo", str(CHART), "-n", namespace, "--set", "operator.replicaz=2", check=False)
+    assert res.returncode != 0 and "additional properties 'replicaz' not allowed" in res.stderr, res.stderr
+    assert cluster.helm("list", "-n", namespace, "-q").stdout.strip() == ""
+
+
+@pytest.mark.timeout(1500)
+def test_install_runs_example_upgrade_and_uninstall(cluster, namespace, system_ns, shared_crd, tmp_path):
+    """Acceptance 2 and 3: helm install; the operator (as the chart's ServiceAccount) drives
+    examples/sftjob.yaml to Succeeded; helm upgrade to a chart whose CRD has a new field;
+    helm uninstall leaves no operator resource and keeps the CRD."""
+    release, jobs_ns = "e2e", namespace
+    restrict(cluster, jobs_ns)
+    adopt_crd(cluster, release, system_ns)
+    res = cluster.helm("install", release, str(CHART), "-n", system_ns, "--set", f"watchNamespaces={{{jobs_ns}}}",
+                       "--set", f"trainer.image={TRAINER_IMAGE}", "--set", "operator.logFormat=plain",
+                       "--wait", "--timeout", "180s")
+    assert "kubectl -n NS apply -f examples/sftjob.yaml" in res.stdout  # NOTES: what to do next
+    op = wait_for(lambda: operator_pod(cluster, system_ns, release), 60, what="operator pod Running")
+    op_name = op["metadata"]["name"]
+    assert op["spec"]["serviceAccountName"] == f"{release}-sftjob-operator"
+    assert any(v.get("projected") for v in op["spec"]["volumes"]), "no projected ServiceAccount token"
+
+    def op_log() -> str:
+        return cluster.pod_log(system_ns, op_name, "operator")
+
+    try:
+        run = subprocess.run([sys.executable, str(REPO / "examples" / "assets.py"), "--namespace", jobs_ns],
+                             capture_output=True, text=True, env={**os.environ, **cluster.env}, timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        cluster.kubectl("-n", jobs_ns, "apply", "-f", str(EXAMPLE))
+        path = f"/apis/sftjob.io/v1alpha1/namespaces/{jobs_ns}/sftjobs/tiny-lora"
+        job = wait_for(lambda: (j := cluster.kube.get(path)).get("status", {}).get("phase") in ("Succeeded", "Failed")
+                       and j, 900, interval=1, what="the example to finish")
+        assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:] + op_log()[-3000:]
+    except AssertionError as err:
+        raise AssertionError(f"{err}\noperator log:\n{op_log()[-4000:]}") from None
+    # The chart's operator did the work: in-cluster credentials, and its own decisions logged.
+    log = op_log()
+    assert f"{jobs_ns}/tiny-lora: creating pods" in log, log[-3000:]
+    assert "Forbidden" not in log and " 403" not in log, log[-3000:]
+    # The chart's trainer default became the CRD's default, so the job's pods got it; and
+    # they were admitted under `restricted` (non-root, no escalation, no capabilities).
+    assert job["spec"]["resources"]["image"] == TRAINER_IMAGE
+    pods = cluster.kube.get(f"/api/v1/namespaces/{jobs_ns}/pods?labelSelector=sftjob.io/job-name%3Dtiny-lora")
+    assert pods["items"]
+    for pod in pods["items"] + [op]:
+        sc = pod["spec"]["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["seccompProfile"]["type"] == "RuntimeDefault"
+        for c in pod["spec"]["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert {p["spec"]["containers"][0]["image"] for p in pods["items"]} == {TRAINER_IMAGE}
+
+    # --- upgrade: a chart whose CRD has one more optional field -----------------------
+    probe = example("upgrade-probe", suspend=True)
+    probe["spec"]["resources"]["upgradeProbe"] = "x"
+    res = cluster.kubectl("-n", jobs_ns, "apply", "-f", "-", input=json.dumps(probe), check=False)
+    assert res.returncode != 0 and 'unknown field "spec.resources.upgradeProbe"' in res.stderr, res.stderr
+    new_chart = tmp_path / "sftjob-operator"
+    shutil.copytree(CHART, new_chart)
+    crd_file = new_chart / "files" / "sftjob.io_sftjobs.yaml"
+    crd = yaml.safe_load(crd_file.read_text())
+    for version in crd["spec"]["versions"]:
+        version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["resources"]["properties"][
+            "upgradeProbe"] = {"type": "string", "description": "A field added by the upgrade test."}
+    crd_file.write_text(yaml.safe_dump(crd, sort_keys=False))
+    meta = yaml.safe_load((new_chart / "Chart.yaml").read_text())
+    meta["version"] = "0.1.1-upgradetest"
+    (new_chart / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
+    cluster.helm("upgrade", release, str(new_chart), "-n", system_ns, "--reuse-values", "--wait", "--timeout", "180s")
+    wait_for(lambda: cluster.kubectl("-n", jobs_ns, "apply", "-f", "-", input=json.dumps(probe), check=False)
+             .returncode == 0, 30, what="the upgraded CRD to accept the new field")
+    assert cluster.kube.get(f"/apis/sftjob.io/v1alpha1/namespaces/{jobs_ns}/sftjobs/upgrade-probe")["spec"][
+        "resources"]["upgradeProbe"] == "x"
+    new_op = wait_for(lambda: (p := operator_pod(cluster, system_ns, release))
+                      and p["metadata"]["labels"]["helm.sh/chart"].endswith("upgradetest") and p,
+                      120, what="the upgraded operator pod")
+    assert new_op["metadata"]["name"] != op_name
+
+    # --- uninstall: no operator resource left; CRD and jobs kept (crds.keep) ----------
+    cluster.helm("uninstall", release, "-n", system_ns, "--wait", "--timeout", "120s")
+    sel = f"labelSelector=app.kubernetes.io/instance%3D{release}"
+    for path in (f"/apis/apps/v1/namespaces/{system_ns}/deployments", f"/apis/apps/v1/namespaces/{system_ns}/replicasets",
+                 f"/api/v1/namespaces/{system_ns}/serviceaccounts", f"/api/v1/namespaces/{system_ns}/services",
+                 f"/api/v1/namespaces/{system_ns}/configmaps",
+                 f"/apis/networking.k8s.io/v1/namespaces/{system_ns}/networkpolicies",
+                 f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs_ns}/roles",
+                 f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs_ns}/rolebindings",
+                 "/apis/rbac.authorization.k8s.io/v1/clusterroles", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"):
+        assert cluster.kube.get(f"{path}?{sel}")["items"] == [], path
+    wait_for(lambda: not cluster.kube.get(f"/api/v1/namespaces/{system_ns}/pods?{sel}")["items"], 60,
+             what="the operator pod to be gone")
+    secrets = cluster.kube.get(f"/api/v1/namespaces/{system_ns}/secrets?labelSelector=owner%3Dhelm")["items"]
+    assert secrets == [], "helm's release record is left"
+    crd_now = cluster.kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")
+    assert crd_now["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert cluster.kube.get(f"/apis/sftjob.io/v1alpha1/namespaces/{jobs_ns}/sftjobs/tiny-lora")
+
+
+@pytest.mark.timeout(300)
+def test_every_rbac_verb_is_needed(cluster, namespace, shared_crd):
+    """Acceptance 2: with the chart's cluster-wide ClusterRole every probe in
+    tests/chart/rbac_needs.py succeeds; taking away any single verb (and any single rule)
+    makes exactly the probes of what was taken away fail with 403."""
+    name = f"rbac-{uuid.uuid4().hex[:6]}"
+    rendered = render_text({"fullnameOverride": name}, namespace=namespace,
+                           extra=["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"])
+    docs = [d for d in yaml.safe_load_all(rendered) if d]
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    role_path = f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}"
+    try:
+        cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(example("probe", suspend=True)))
+        job = cluster.kube.get(f"/apis/sftjob.io/v1alpha1/namespaces/{namespace}/sftjobs/probe")
+        token = cluster.kubectl("-n", namespace, "create", "token", name, "--duration=10m").stdout.strip()
+        server = cluster.cfg.apiserver_url
+        ctx = ProbeContext(sa_kube(server, str(cluster.cfg.pki / "ca.crt"), token), namespace, job,
+                           node=cluster.kube.get("/api/v1/nodes")["items"][0]["metadata"]["name"])
+
+        def refusals() -> set:
+            return {key for key in NEEDS if asyncio.run(refused(ctx, key))}
+
+        wait_for(lambda: not refusals(), 30, what="every probe to pass with the full role")
+
+        def without(drop) -> list[dict]:
+            rules = []
+            for i, rule in enumerate(role["rules"]):
+                verbs = [v for v in rule["verbs"] if (i, v) not in drop and i not in drop]
+                if verbs:
+                    rules.append({**rule, "verbs": verbs})
+            return rules
+
+        def keys(i: int, verbs: list[str]) -> set:
+            r = role["rules"][i]
+            return {(r["apiGroups"][0], r["resources"][0], v) for v in verbs}
+
+        variants = [({(i, v)}, keys(i, [v])) for i, r in enumerate(role["rules"]) for v in r["verbs"]]
+        variants += [({i}, keys(i, r["verbs"])) for i, r in enumerate(role["rules"])]
+        report = []
+        for drop, expected in variants:
+            current = cluster.kube.get(role_path)
+            cluster.kube.put(role_path, {**current, "rules": without(drop)})
+            # RBAC changes reach the authorizer through an informer: wait for the refusal.
+            got = wait_for(lambda: (r := refusals()) >= expected and r, 15,
+                           what=f"a 403 for {sorted(expected)} without {drop}")
+            assert got == expected, f"without {drop}: refused {sorted(got)}, expected {sorted(expected)}"
+            report.append(f"without {sorted(expected)}: refused -> {NEEDS[sorted(expected)[0]][0]}")
+        current = cluster.kube.get(role_path)
+        cluster.kube.put(role_path, {**current, "rules": role["rules"]})
+        print("\n".join(report))
+    finally:
+        for d in docs:
+            if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+                cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found")
