@@ -628,6 +628,7 @@ class Agent:
         self.handled: set[str] = set()             # uids whose run is over (never run them again)
         self.ips: dict[str, str] = {}              # uid -> pod IP
         self.lost: set[str] = set()
+        self.transitions: dict[str, tuple[bool, str]] = {}  # node -> (ready, since)
         self.stopping = threading.Event()
         self.synced = False
 
@@ -653,17 +654,22 @@ class Agent:
         cap = {"cpu": self.cfg.node_cpu, "memory": self.cfg.node_memory, "pods": self.cfg.node_pods,
                "ephemeral-storage": "100Gi"}
         t = now()
+        # lastTransitionTime moves only when readiness changes, as with the kubelet
+        prev = self.transitions.get(node)
+        if prev is None or prev[0] != ready:
+            self.transitions[node] = (ready, t)
+        since = self.transitions[node][1]
         if ready:
             readyc = {"type": "Ready", "status": "True", "reason": "KubeletReady",
                       "message": "sftjob node agent is posting ready status"}
         else:
             readyc = {"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
                       "message": "Kubelet stopped posting node status."}
-        conds = [{**readyc, "lastHeartbeatTime": t, "lastTransitionTime": t}]
+        conds = [{**readyc, "lastHeartbeatTime": t, "lastTransitionTime": since}]
         for type_, reason in (("MemoryPressure", "KubeletHasSufficientMemory"),
                               ("DiskPressure", "KubeletHasNoDiskPressure"), ("PIDPressure", "KubeletHasSufficientPID")):
             conds.append({"type": type_, "status": "False" if ready else "Unknown", "reason": reason,
-                          "lastHeartbeatTime": t, "lastTransitionTime": t})
+                          "lastHeartbeatTime": t, "lastTransitionTime": since})
         return {"capacity": cap, "allocatable": cap, "conditions": conds,
                 "addresses": [{"type": "InternalIP", "address": self.cfg.host_ip}, {"type": "Hostname", "address": node}],
                 "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},

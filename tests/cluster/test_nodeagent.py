@@ -289,11 +289,13 @@ def test_missing_configmap_waits_then_runs(cluster, namespace):
     create(cluster, namespace, pod("later", "print('ran')", container={
         "env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "late", "key": "x"}}}]}))
 
-    def waiting_reason():
+    def config_error():
         st = cluster.pod(namespace, "later").get("status", {}).get("containerStatuses") or []
-        return st and st[0]["state"].get("waiting", {}).get("reason")
+        waiting = st[0]["state"].get("waiting", {}) if st else {}
+        return waiting if waiting.get("reason") == "CreateContainerConfigError" else None
 
-    assert wait_for(waiting_reason, 60, what="waiting status") == "CreateContainerConfigError"
+    assert 'configmap "late" not found' in wait_for(config_error, 60, what="CreateContainerConfigError")["message"]
+    assert cluster.pod(namespace, "later")["status"]["phase"] == "Pending"
     create(cluster, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late"}, "data": {"x": "1"}})
     assert cluster.wait_pod_phase(namespace, "later", ("Succeeded", "Failed"))["status"]["phase"] == "Succeeded"
 
