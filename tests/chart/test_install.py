@@ -149,7 +149,11 @@ def test_install_runs_example_upgrade_and_uninstall(cluster, namespace, system_n
     # The chart's operator did the work: in-cluster credentials, and its own decisions logged.
     log = op_log()
     assert f"{jobs_ns}/tiny-lora: creating pods" in log, log[-3000:]
-    assert "Forbidden" not in log and " 403" not in log, log[-3000:]
+    # The only refusal is the one the namespace-scoped role means: kopf may not list
+    # namespaces, retries, then uses the given names (see the chart README).
+    refusals = [line for line in log.splitlines() if "Forbidden" in line or "permissions" in line]
+    assert all('"namespaces"' in line or "namespaces" in line.split("permissions", 1)[-1] for line in refusals), \
+        refusals[:5]
     # The chart's trainer default became the CRD's default, so the job's pods got it; and
     # they were admitted under `restricted` (non-root, no escalation, no capabilities).
     assert job["spec"]["resources"]["image"] == TRAINER_IMAGE

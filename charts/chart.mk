@@ -1,0 +1,73 @@
+# Helm chart, images and their checks (issue 6). Included by the top Makefile:
+#   -include charts/chart.mk
+# Uses $(PY), $(VENV) and the `install` target of the top Makefile. helm is the one
+# hack/build-binaries.sh builds (version in hack/versions.env); checkov lives in its own
+# virtual environment next to it, because installed into .venv it would downgrade packages
+# the trainer uses (boto3, packaging).
+
+SFTJOB_CACHE ?= $(HOME)/.cache/sftjob
+HELM_VERSION := $(shell sed -n 's/^HELM_VERSION=//p' hack/versions.env)
+HELM := $(SFTJOB_CACHE)/helm-$(HELM_VERSION)/bin/helm
+CHECKOV_VERSION := 3.3.30
+CHECKOV_VENV := $(SFTJOB_CACHE)/checkov-$(CHECKOV_VERSION)
+CHECKOV := $(CHECKOV_VENV)/bin/checkov
+CHART := charts/sftjob-operator
+IMAGE_REGISTRY ?= ghcr.io/sftjob
+IMAGE_TAG ?= $(shell sed -n 's/^appVersion: *"\(.*\)"/\1/p' $(CHART)/Chart.yaml)
+OPERATOR_IMAGE := $(IMAGE_REGISTRY)/operator:$(IMAGE_TAG)
+TRAINER_IMAGE := $(IMAGE_REGISTRY)/trainer:$(IMAGE_TAG)
+KIND_CLUSTER ?= sftjob
+KIND_CTX := kind-$(KIND_CLUSTER)
+
+.PHONY: chart-crd chart-lint chart-scan chart-test chart-test-cluster checkov-install images kind-e2e
+
+$(HELM):
+	hack/build-binaries.sh helm
+
+$(CHECKOV):
+	python3 -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install -q checkov==$(CHECKOV_VERSION)
+
+checkov-install: $(CHECKOV) ## Install checkov into its own venv under ~/.cache/sftjob (the chart tests need it)
+
+chart-crd: ## Copy crds/sftjob.io_sftjobs.yaml into the chart (after `make crds`; a test checks they agree)
+	cp crds/sftjob.io_sftjobs.yaml $(CHART)/files/sftjob.io_sftjobs.yaml
+
+chart-lint: install $(HELM) ## helm lint --strict the chart; hadolint both Dockerfiles
+	$(HELM) lint --strict $(CHART)
+	$(VENV)/bin/hadolint images/operator/Dockerfile images/trainer/Dockerfile
+
+chart-scan: $(HELM) $(CHECKOV) ## checkov on the rendered chart and both Dockerfiles (skips: charts/checkov.yaml)
+	@out=$$(mktemp -d); trap 'rm -rf $$out' EXIT; \
+	$(HELM) template sftjob $(CHART) -n sftjob-system > $$out/default.yaml && \
+	$(HELM) template sftjob $(CHART) -n sftjob-system --set 'watchNamespaces={team-a}' --set dashboard.enabled=true > $$out/namespaced.yaml && \
+	$(CHECKOV) --config-file charts/checkov.yaml --quiet --framework kubernetes -d $$out && \
+	$(CHECKOV) --config-file charts/checkov.yaml --quiet --framework dockerfile -f images/operator/Dockerfile -f images/trainer/Dockerfile
+
+chart-test: install $(HELM) $(CHECKOV) ## Chart unit tests: lint, schema typos, CRD drift, RBAC table, hadolint, checkov
+	$(PY) -m pytest tests/chart -m unit $(PYTEST_ARGS)
+
+chart-test-cluster: install ## Chart on the local cluster: install, example to Succeeded, upgrade, uninstall, RBAC
+	$(PY) -m pytest tests/chart -m cluster $(PYTEST_ARGS)
+
+images: ## docker build the operator and trainer images (needs docker; IMAGE_REGISTRY, IMAGE_TAG)
+	docker build -f images/operator/Dockerfile -t $(OPERATOR_IMAGE) .
+	docker build -f images/trainer/Dockerfile -t $(TRAINER_IMAGE) .
+
+# Not runnable on the project's own machines (no docker): kind cluster, images, chart, MinIO,
+# the example's assets, the example, and a wait for Succeeded. Needs docker, kind, kubectl, helm.
+kind-e2e: images ## (needs docker+kind) kind cluster, load images, install the chart, run examples/sftjob.yaml
+	kind get clusters | grep -qx $(KIND_CLUSTER) || kind create cluster --name $(KIND_CLUSTER) --wait 120s
+	kind load docker-image --name $(KIND_CLUSTER) $(OPERATOR_IMAGE) $(TRAINER_IMAGE)
+	helm --kube-context $(KIND_CTX) upgrade --install sftjob $(CHART) -n sftjob-system --create-namespace \
+	  --set image.tag=$(IMAGE_TAG) --set image.repository=$(IMAGE_REGISTRY)/operator \
+	  --set trainer.image=$(TRAINER_IMAGE) --wait --timeout 5m
+	kubectl --context $(KIND_CTX) apply -f charts/kind/minio.yaml
+	kubectl --context $(KIND_CTX) -n sftjob-demo rollout status deployment/minio --timeout=5m
+	kubectl --context $(KIND_CTX) -n sftjob-demo delete job example-assets --ignore-not-found
+	sed 's#TRAINER_IMAGE#$(TRAINER_IMAGE)#' charts/kind/assets-job.yaml | kubectl --context $(KIND_CTX) apply -f -
+	kubectl --context $(KIND_CTX) -n sftjob-demo wait --for=condition=Complete job/example-assets --timeout=15m
+	sed 's#http://10.244.0.1:9000#http://minio.sftjob-demo:9000#' examples/sftjob.yaml \
+	  | kubectl --context $(KIND_CTX) -n sftjob-demo apply -f -
+	kubectl --context $(KIND_CTX) -n sftjob-demo wait --for=jsonpath='{.status.phase}'=Succeeded sftjob/tiny-lora --timeout=30m
+	kubectl --context $(KIND_CTX) -n sftjob-demo get sft tiny-lora
