@@ -1,4 +1,4 @@
-"""python -m hack.localcluster {up,down,status,env,node-lost NODE [--delete-pods],node-restore NODE,kwok-up,kwok-down}"""
+"""python -m hack.localcluster {up,down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down}"""
 import argparse
 import sys
 
@@ -17,6 +17,10 @@ def main() -> int:
     p.add_argument("--delete-pods", action="store_true", help="also force-delete its pods")
     p = sub.add_parser("node-restore", help="bring a lost node back")
     p.add_argument("node")
+    p = sub.add_parser("logs", help="print a pod's container log (what `kubectl logs` would show)")
+    p.add_argument("namespace")
+    p.add_argument("pod")
+    p.add_argument("container", nargs="?", help="default: the only/first log of the pod")
     p = sub.add_parser("kwok-up", help="start kwok with N fake nodes (scale tests)")
     p.add_argument("--nodes", type=int, default=10)
     sub.add_parser("kwok-down", help="stop kwok and delete the fake nodes")
@@ -40,6 +44,15 @@ def main() -> int:
         nodes.node_lost(a.node, delete_pods=a.delete_pods)
     elif a.cmd == "node-restore":
         nodes.node_restore(a.node)
+    elif a.cmd == "logs":
+        d = cluster.C.load().pods_dir / f"{a.namespace}_{a.pod}"
+        logs = sorted(d.glob("*.log")) if d.is_dir() else []
+        if a.container:
+            logs = [d / f"{a.container}.log"]
+        if not logs or not logs[0].exists():
+            print(f"no logs for {a.namespace}/{a.pod} under {d}", file=sys.stderr)
+            return 1
+        sys.stdout.write(logs[0].read_text(errors="replace"))
     elif a.cmd == "kwok-up":
         print("\n".join(kwok.kwok_up(a.nodes)))
     elif a.cmd == "kwok-down":

@@ -199,6 +199,9 @@ class PodRunner(threading.Thread):
         sh("ip", "link", "del", self.netns, check=False)
         sh("ip", "netns", "del", self.netns, check=False)
         self.agent.release_ip(self.uid)
+        # Volume contents (emptyDir data, Secret copies) go with the pod, as on a real node;
+        # the container logs next to run_dir stay until `cluster-down`.
+        shutil.rmtree(self.run_dir, ignore_errors=True)
 
     # ---- volumes and env -------------------------------------------------------------------
 
