@@ -27,6 +27,8 @@ test-unit: install ## Run only the fast tests (no torchrun, no cluster)
 
 -include hack/cluster.mk
 -include operator/operator.mk
+-include charts/chart.mk
+-include bench/bench.mk
 
 demo: install ## Fine-tune the tiny local model with LoRA on 2 processes and print where the model went
 	$(PY) -m sftjob_trainer.assets .demo/assets

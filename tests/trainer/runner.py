@@ -54,21 +54,23 @@ def command(args: list[str], nproc: int) -> list[str]:
     return [sys.executable, "-m", "sftjob_trainer.launch", "--standalone", f"--nproc-per-node={nproc}", "--", *args]
 
 
-def env() -> dict:
-    e = dict(os.environ)
+def env(extra: dict | None = None) -> dict:
+    e = dict(os.environ) | (extra or {})
     e["OMP_NUM_THREADS"] = "1"
     e["PYTHONUNBUFFERED"] = "1"
     return e
 
 
-def run(args: list[str], out: Path, nproc: int = 1, timeout: float = 600) -> Result:
-    proc = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout, env=env())
+def run(args: list[str], out: Path, nproc: int = 1, timeout: float = 600, extra_env: dict | None = None) -> Result:
+    proc = subprocess.run(command(args, nproc), capture_output=True, text=True, timeout=timeout, env=env(extra_env))
     return Result(proc.returncode, proc.stdout + proc.stderr, Path(out))
 
 
-def run_and_sigterm(args: list[str], out: Path, after_steps: int, nproc: int = 1, timeout: float = 600) -> Result:
-    """Start a run and SIGTERM it once ``after_steps`` steps are in metrics.jsonl."""
-    proc = subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+def run_and_sigterm(args: list[str], out: Path, after_steps: int, nproc: int = 1, timeout: float = 600,
+                    extra_env: dict | None = None) -> Result:
+    """Start a run and SIGTERM it once ``after_steps`` steps are in metrics.jsonl (under ``out``)."""
+    proc = subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env(extra_env))
     deadline = time.time() + timeout
     while len([r for r in read_metrics(out) if "loss" in r]) < after_steps:
         if proc.poll() is not None:

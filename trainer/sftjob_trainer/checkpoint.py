@@ -200,7 +200,7 @@ class LocalCheckpoints:
         save(self.store, model, optimizer, state, self.rank, self.keep)
         return time.perf_counter() - t0
 
-    def wait(self, deadline: float | None = None) -> int | None:  # noqa: ARG002
+    def wait(self, raise_errors: bool = True) -> int | None:  # noqa: ARG002
         """Step of the newest committed checkpoint (saves here are synchronous)."""
         return None
 

@@ -411,13 +411,49 @@ class GlobalBatches:
     def step_batches(self, epoch: int, cursor: int) -> list[MicroBatch]:
         """The micro-batches of this rank for the global batch starting at ``cursor``."""
         ids = self.order(epoch)[cursor : cursor + self.global_batch]
-        mine = ids[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
-        m = self.cfg.micro_batch_size_per_gpu
+        slices = [ids[r * self.per_rank : (r + 1) * self.per_rank] for r in range(self.global_batch // self.per_rank)]
+        mine = slices[self.rank]
+        if self.cfg.max_tokens_per_micro_batch is None:
+            m = self.cfg.micro_batch_size_per_gpu
+            groups = [mine[k : k + m] for k in range(0, len(mine), m)]
+        else:
+            # Every rank must run the same number of forwards (FSDP gathers weights in each),
+            # and each can count the others' from the shared lengths table: no communication.
+            budget = self.cfg.max_tokens_per_micro_batch
+            lengths = self.dataset.lengths
+            count = max(len(token_groups(lengths[s], budget)) for s in slices)
+            groups = [mine[g] for g in split_to(token_groups(lengths[mine], budget), count)]
         out = []
-        for k in range(0, len(mine), m):
-            chunk = [int(i) for i in mine[k : k + m]]
+        for group in groups:
+            chunk = [int(i) for i in group]
             out.append(collate([self.dataset.sample(i) for i in chunk], chunk, self.cfg.packing, self.pad_id))
         return out
+
+
+def token_groups(lengths: np.ndarray, budget: int) -> list[slice]:
+    """Consecutive runs of samples whose lengths sum to at most ``budget`` (at least one sample each)."""
+    groups, start, used = [], 0, 0
+    for i, n in enumerate(int(x) for x in lengths):
+        if i > start and used + n > budget:
+            groups.append(slice(start, i))
+            start, used = i, 0
+        used += n
+    if len(lengths):
+        groups.append(slice(start, len(lengths)))
+    return groups
+
+
+def split_to(groups: list[slice], count: int) -> list[slice]:
+    """Split the groups with the most samples in halves until there are ``count`` of them."""
+    groups = list(groups)
+    while len(groups) < count:
+        k = max(range(len(groups)), key=lambda j: groups[j].stop - groups[j].start)
+        g = groups[k]
+        if g.stop - g.start < 2:
+            raise AssertionError("cannot split a rank's batch into more micro-batches than samples")
+        mid = g.start + (g.stop - g.start) // 2
+        groups[k : k + 1] = [slice(g.start, mid), slice(mid, g.stop)]
+    return groups
 
 
 def eval_batches(dataset: SFTDataset, micro: int, rank: int, world: int, packing: bool, pad_id: int) -> Iterator[MicroBatch]:

@@ -18,12 +18,16 @@ Packed rows carry ``cu_seq_lens`` so that flash-attention varlen (GPU) and our
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from .data import IGNORE, MicroBatch
+
+log = logging.getLogger(__name__)
 
 # Elements of one fp32 logits chunk (32 MiB): big enough for efficient matmuls, small next
 # to the activations of a micro-batch.
@@ -32,8 +36,23 @@ CHUNK_ELEMENTS = 1 << 23
 
 def autocast_for(device: torch.device, precision: str):
     if precision == "bf16":
+        _warn_if_slow_bf16(device)
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@functools.cache
+def _warn_if_slow_bf16(device: torch.device) -> None:
+    # bf16 autocast pays off on CPUs with native bf16 dot products (AVX512-BF16, AMX); without
+    # them oneDNN emulates bf16 and a run is several times slower than fp32.
+    if device.type != "cpu":
+        return
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return
+    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
+        log.warning("trainer.precision=bf16 on a CPU without native bf16 support: fp32 is faster here")
 
 
 def chunk_rows(vocab: int) -> int:

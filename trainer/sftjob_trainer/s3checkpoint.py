@@ -77,8 +77,12 @@ class S3Checkpoints:
         return dist_utils.broadcast_object(self._find() if self.rank == 0 else None)
 
     def load(self, step: int, model, optimizer) -> TrainerState:
-        dest = fetch_once(f"{self.where}/step-{step}", self.local_root / "restore" / f"step-{step}")
-        return load_dir(dest, model, optimizer)
+        # Keyed by this attempt, so a copy left on the node by an earlier run is never reused.
+        dest = fetch_once(f"{self.where}/step-{step}", self.local_root / "restore" / self.attempt / f"step-{step}")
+        state = load_dir(dest, model, optimizer)
+        dist_utils.barrier()
+        shutil.rmtree(dest.parent, ignore_errors=True)
+        return state
 
     # ------------------------------------------------------------------ save
 
