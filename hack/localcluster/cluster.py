@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -97,7 +98,34 @@ def _marker(cfg: C.ClusterConfig, name: str) -> str:
     return str(cfg.state_dir)
 
 
+def _ports(cfg: C.ClusterConfig, name: str) -> list[tuple[str, int, int]]:
+    """(address, port, socket type) that a component listens on."""
+    tcp, udp = socket.SOCK_STREAM, socket.SOCK_DGRAM
+    return {
+        "etcd": [("127.0.0.1", cfg.etcd_port, tcp), ("127.0.0.1", cfg.etcd_peer_port, tcp)],
+        "kube-apiserver": [(cfg.host_ip, cfg.apiserver_port, tcp)],
+        "kube-controller-manager": [("127.0.0.1", cfg.kcm_port, tcp)],
+        "kube-scheduler": [("127.0.0.1", cfg.scheduler_port, tcp)],
+        "minio": [(cfg.host_ip, cfg.minio_port, tcp), ("127.0.0.1", cfg.minio_port + 1, tcp)],
+        "node-agent": [(cfg.host_ip, 53, udp), (cfg.host_ip, cfg.kubelet_port, tcp)],
+    }.get(name, [])
+
+
+def _check_ports(cfg: C.ClusterConfig, name: str) -> None:
+    """Refuse to start a component whose port is taken. Otherwise it would die at once and, worse,
+    its clients would talk to whatever holds the port (an API server writing into someone
+    else's etcd, say)."""
+    for host, port, kind in _ports(cfg, name):
+        with socket.socket(socket.AF_INET, kind) as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                raise RuntimeError(f"cannot start {name}: {host}:{port} is in use ({e.strerror}); "
+                                   "stop whatever holds it or choose other ports (see hack/localcluster/config.py)") from None
+
+
 def _start(cfg: C.ClusterConfig, name: str, argv: list[str], env: dict | None = None) -> None:
+    _check_ports(cfg, name)
     logf = cfg.logs / f"{name}.log"
     # `sh -c 'cmd & echo $!'` detaches the component from the caller: it keeps running after
     # `make cluster-up` or the test session that started it returns.
@@ -249,6 +277,16 @@ def ensure_pki(cfg: C.ClusterConfig) -> None:
         "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
         "-extfile", str(pki / "apiserver.ext"), "-out", str(pki / "apiserver.crt"))
     _sh("openssl", "genrsa", "-out", str(pki / "sa.key"), "2048")
+    # the node agent's log endpoint (kubectl logs); the API server does not verify kubelets
+    # unless told to, but a CA-signed certificate keeps the option open
+    (pki / "kubelet.ext").write_text(
+        "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{cfg.host_ip}\n")
+    _sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "kubelet.key"),
+        "-out", str(pki / "kubelet.csr"), "-subj", "/CN=sftjob-node-agent")
+    _sh("openssl", "x509", "-req", "-in", str(pki / "kubelet.csr"), "-CA", str(pki / "ca.crt"),
+        "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
+        "-extfile", str(pki / "kubelet.ext"), "-out", str(pki / "kubelet.crt"))
 
 
 def ensure_secrets(cfg: C.ClusterConfig) -> dict:
@@ -339,7 +377,10 @@ def _argv(cfg: C.ClusterConfig, name: str, sec: dict) -> tuple[list[str], dict |
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={pki}/sa.key",
                 f"--service-account-signing-key-file={pki}/sa.key",
-                "--profiling=false", f"--cert-dir={pki}/generated"], None
+                "--profiling=false", f"--cert-dir={pki}/generated",
+                # reach the node agent's log endpoint (kubectl logs) by the Nodes' InternalIP:
+                # their Hostname addresses do not resolve on this host
+                "--kubelet-preferred-address-types=InternalIP"], None
     if name == "kube-controller-manager":
         return [kube_bin("kube-controller-manager"), f"--kubeconfig={kc}",
                 f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",

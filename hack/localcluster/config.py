@@ -55,6 +55,7 @@ class ClusterConfig:
     minio_port: int
     kcm_port: int
     scheduler_port: int
+    kubelet_port: int
     nodes: tuple[str, ...]
     node_cpu: str
     node_memory: str
@@ -123,6 +124,7 @@ def load(environ: dict[str, str] | None = None) -> ClusterConfig:
         minio_port=int(e.get("SFTJOB_MINIO_PORT", "9000")),
         kcm_port=int(e.get("SFTJOB_KCM_PORT", "10257")),
         scheduler_port=int(e.get("SFTJOB_SCHEDULER_PORT", "10259")),
+        kubelet_port=int(e.get("SFTJOB_KUBELET_PORT", "10250")),
         nodes=tuple(f"{prefix}{i}" for i in range(n_nodes)),
         node_cpu=e.get("SFTJOB_NODE_CPU", "8"),
         node_memory=e.get("SFTJOB_NODE_MEMORY", "32Gi"),

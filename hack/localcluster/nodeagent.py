@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 
 from . import config as C
+from . import kubeletapi
 from .dns import DnsServer
 from .kube import ApiError, Kube
 
@@ -675,7 +676,7 @@ class Agent:
                           "lastHeartbeatTime": t, "lastTransitionTime": since})
         return {"capacity": cap, "allocatable": cap, "conditions": conds,
                 "addresses": [{"type": "InternalIP", "address": self.cfg.host_ip}, {"type": "Hostname", "address": node}],
-                "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.cfg.kubelet_port}},
                 "nodeInfo": {"machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": os.uname().release,
                              "osImage": "sftjob local node", "containerRuntimeVersion": "sftjob-local://1",
                              "kubeletVersion": KUBELET_VERSION, "kubeProxyVersion": "", "operatingSystem": "linux",
@@ -901,6 +902,10 @@ class Agent:
                         and self._endpoint_ok(p, svc)][:1]
         return []
 
+    def _pod_running(self, ns: str, name: str) -> bool:
+        with self.lock:
+            return any(r.ns == ns and r.name == name for r in self.runners.values())
+
     # ---- main ------------------------------------------------------------------------------
 
     def cleanup_stale(self) -> None:
@@ -929,6 +934,10 @@ class Agent:
             pass
         dns = DnsServer(self.cfg.host_ip, self.resolve, upstream)
         threading.Thread(target=dns.serve_forever, daemon=True, name="dns").start()
+        kubelet = None
+        if (self.cfg.pki / "kubelet.crt").exists():
+            kubelet = kubeletapi.serve(self.cfg.host_ip, self.cfg.kubelet_port, self.cfg.pods_dir,
+                                       self.cfg.pki / "kubelet.crt", self.cfg.pki / "kubelet.key", self._pod_running)
         threading.Thread(target=self.watch_loop, args=("/api/v1/services", self._services_handler),
                          daemon=True, name="services").start()
         threading.Thread(target=self.watch_loop, args=("/api/v1/pods", self._pods_handler),
@@ -945,6 +954,8 @@ class Agent:
         for r in runners:
             r.join(20)
         dns.close()
+        if kubelet:
+            kubelet.shutdown()
         self.cleanup_stale()
         log("node agent stopped")
 

@@ -6,6 +6,7 @@ same CLI that `make cluster-up/down/status` call, so the shared session cluster 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,12 +19,32 @@ from hack.localcluster import config as C
 pytestmark = pytest.mark.cluster
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct ports that are free on loopback now (each also leaves port+1 free for MinIO's
+    console)."""
+    out: list[int] = []
+    while len(out) < n:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        if port not in out and port + 1 not in out and port - 1 not in out:
+            out.append(port)
+    return out
+
+
 def test_up_is_idempotent_and_down_leaves_nothing(tmp_path):
+    # own ports, picked free, so that nothing else on the machine is mistaken for a component
+    api, etcd, peer, minio, kcm, sched, kubelet = free_ports(7)
     env = {**os.environ, "SFTJOB_CLUSTER_DIR": str(tmp_path / "c2"), "SFTJOB_CLUSTER_BRIDGE": "sftjob9",
-           "SFTJOB_CLUSTER_SUBNET": "10.245.0.0/16", "SFTJOB_APISERVER_PORT": "16443",
-           "SFTJOB_ETCD_PORT": "12379", "SFTJOB_ETCD_PEER_PORT": "12380", "SFTJOB_MINIO_PORT": "19000",
-           "SFTJOB_KCM_PORT": "20257", "SFTJOB_SCHEDULER_PORT": "20259", "SFTJOB_NETNS_PREFIX": "sftk",
-           "SFTJOB_NODES": "1", "SFTJOB_NODE_PREFIX": "lifecycle-node-"}
+           "SFTJOB_CLUSTER_SUBNET": "10.245.0.0/16", "SFTJOB_APISERVER_PORT": str(api),
+           "SFTJOB_ETCD_PORT": str(etcd), "SFTJOB_ETCD_PEER_PORT": str(peer), "SFTJOB_MINIO_PORT": str(minio),
+           "SFTJOB_KCM_PORT": str(kcm), "SFTJOB_SCHEDULER_PORT": str(sched), "SFTJOB_KUBELET_PORT": str(kubelet),
+           "SFTJOB_NETNS_PREFIX": "sftk", "SFTJOB_NODES": "1", "SFTJOB_NODE_PREFIX": "lifecycle-node-"}
     cfg = C.load(env)
 
     def cli(*args):
@@ -31,22 +52,30 @@ def test_up_is_idempotent_and_down_leaves_nothing(tmp_path):
                               capture_output=True, text=True, timeout=600)
 
     try:
+        # a port held by someone else is refused loudly, before anything starts
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", etcd))
+            squatter.listen()
+            refused = cli("up")
+        assert refused.returncode != 0 and f"127.0.0.1:{etcd} is in use" in refused.stderr, refused.stderr
+        assert localcluster.leftover_processes(cfg) == []
+
         t0 = time.time()
         up = cli("up")
         assert up.returncode == 0, up.stderr
         cold = time.time() - t0
-        assert all(localcluster.status(cfg).values())
+        assert all(localcluster.status(cfg).values()), localcluster.status(cfg)
         pids = {p.name: p.read_text() for p in cfg.pids.iterdir()}
         assert set(pids) == {f"{n}.pid" for n in localcluster.cluster.COMPONENTS}
 
         t0 = time.time()
         again = cli("up")
-        assert again.returncode == 0 and "already up" in again.stderr
+        assert again.returncode == 0 and "already up" in again.stderr, again.stderr
         assert time.time() - t0 < 20
         assert {p.name: p.read_text() for p in cfg.pids.iterdir()} == pids  # nothing restarted
 
         st = cli("status")
-        assert st.returncode == 0 and "DOWN" not in st.stdout
+        assert st.returncode == 0 and "DOWN" not in st.stdout, st.stdout
         print(f"second cluster: start {cold:.1f}s")
     finally:
         down = cli("down")

@@ -336,3 +336,17 @@ def test_node_loss(cluster, namespace):
     finally:
         localcluster.node_restore(node)
     assert cluster.wait_pod_phase(namespace, "next", ("Succeeded", "Failed"))["status"]["phase"] == "Succeeded"
+
+
+def test_kubectl_logs(cluster, namespace):
+    create(cluster, namespace, pod("talker", """
+        import time
+        for i in range(3):
+            print(f"line {i}", flush=True)
+            time.sleep(1)
+        """))
+    cluster.wait_pod_phase(namespace, "talker", ("Running", "Succeeded"))
+    # -f streams until the container ends, through the API server's proxy to the node agent
+    followed = cluster.kubectl("logs", "-n", namespace, "-f", "talker", timeout=60).stdout
+    assert followed.splitlines() == ["line 0", "line 1", "line 2"]
+    assert cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1").stdout == "line 2\n"
