@@ -126,10 +126,12 @@ class LoraSpec(_LoraBase):  # type: ignore[misc,valid-type]
     """LoRA adapters (the trainer's `lora` section); rank 0 means a full fine-tune."""
 
 
-# The run-length, validation, seed and precision part of the trainer's `trainer` section;
-# output_dir, save_freq, keep_checkpoints, metrics_port and stop_timeout_s are derived by
-# the operator from spec.storage, spec.checkpoint and spec.runPolicy.
-TRAINING_RUN_FIELDS = ["total_epochs", "total_training_steps", "test_freq", "seed", "precision", "log_freq"]
+# The trainer's `trainer` section minus what the operator derives: output_dir (from
+# spec.storage), save_freq and keep_checkpoints (spec.checkpoint), metrics_port (the
+# operator scrapes it) and stop_timeout_s (spec.runPolicy.terminationGracePeriodSeconds).
+# A key the trainer adds appears here by itself (and the CRD drift test asks for `make crds`).
+OPERATOR_OWNED_TRAINER_FIELDS = ("output_dir", "save_freq", "keep_checkpoints", "metrics_port", "stop_timeout_s")
+TRAINING_RUN_FIELDS = [n for n in TrainerConfig.model_fields if n not in OPERATOR_OWNED_TRAINER_FIELDS]
 _TrainingBase = create_model(  # type: ignore[call-overload]
     "_TrainingBase", __base__=_Spec,
     optim=(OptimSpec, Field(default_factory=OptimSpec, description="Optimizer and learning-rate schedule.")),
