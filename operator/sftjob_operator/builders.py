@@ -275,6 +275,11 @@ def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
     resources = _resources(spec)
     if resources:
         container["resources"] = resources
+    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map_name(job)}}]
+    if res.gpus_per_node:
+        # NCCL's shared-memory transport outgrows the container runtime's 64 MiB /dev/shm.
+        container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     pod_spec: dict[str, Any] = {
         # The operator restarts the whole gang; a kubelet restart of one rank would hang the rest.
         "restartPolicy": "Never",
@@ -291,7 +296,7 @@ def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "config", "configMap": {"name": config_map_name(job)}}],
+        "volumes": volumes,
     }
     for key, value in (
         ("nodeSelector", res.node_selector),

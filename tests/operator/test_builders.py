@@ -115,6 +115,7 @@ def test_pod_security_and_restart_policy():
     assert c["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": "8"}
     assert ps["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
     assert ps["hostname"] == "tiny-node-0" and ps["subdomain"] == "tiny"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in ps["volumes"]
 
 
 @pytest.mark.parametrize("overrides, match", [
