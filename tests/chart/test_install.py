@@ -120,8 +120,16 @@ def test_install_runs_example_upgrade_and_uninstall(cluster, namespace, system_n
     """Acceptance 2 and 3: helm install; the operator (as the chart's ServiceAccount) drives
     examples/sftjob.yaml to Succeeded; helm upgrade to a chart whose CRD has a new field;
     helm uninstall leaves no operator resource and keeps the CRD."""
-    release, jobs_ns = "e2e", namespace
+    release, jobs_ns = f"e2e-{uuid.uuid4().hex[:4]}", namespace
     restrict(cluster, jobs_ns)
+    try:
+        _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_path)
+    finally:  # a failed run must not leave cluster-scoped objects behind
+        if cluster.helm("status", release, "-n", system_ns, check=False).returncode == 0:
+            cluster.helm("uninstall", release, "-n", system_ns, "--wait", "--timeout", "120s", check=False)
+
+
+def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_path):
     adopt_crd(cluster, release, system_ns)
     res = cluster.helm("install", release, str(CHART), "-n", system_ns, "--set", f"watchNamespaces={{{jobs_ns}}}",
                        "--set", f"trainer.image={TRAINER_IMAGE}", "--set", "operator.logFormat=plain",
