@@ -6,6 +6,7 @@ same CLI that `make cluster-up/down/status` call, so the shared session cluster 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -20,21 +21,21 @@ pytestmark = pytest.mark.cluster
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct ports that are free on loopback now (each also leaves port+1 free for MinIO's
-    console)."""
+    """n ports that are free now, each with port+1 free too (MinIO's console). Picked below the
+    kernel's ephemeral range so that an outgoing connection cannot grab one before use."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     out: list[int] = []
-    while len(out) < n:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        if port not in out and port + 1 not in out and port - 1 not in out:
-            out.append(port)
-    return out
+    for port in random.sample(range(20000, low - 1, 2), 200):
+        try:
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        out.append(port)
+        if len(out) == n:
+            return out
+    raise RuntimeError("no free ports")
 
 
 def test_up_is_idempotent_and_down_leaves_nothing(tmp_path):
