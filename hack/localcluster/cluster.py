@@ -134,7 +134,38 @@ def _start(cfg: C.ClusterConfig, name: str, argv: list[str], env: dict | None = 
                          text=True, env={**(env or os.environ), "LOG": str(logf)}, cwd=str(C.REPO))
     pid = int(out.stdout.strip())
     (cfg.pids / f"{name}.pid").write_text(str(pid))
+    (cfg.pids / f"{name}.config").write_text(_fingerprint(argv))
     log(f"started {name} (pid {pid}, log {logf})")
+
+
+def _fingerprint(argv: list[str]) -> str:
+    """What a component was started with: its command line, and for the node agent (a Python
+    program of this repo) its source, so that a long-running cluster started by older code is
+    noticed."""
+    h = hashlib.sha256(json.dumps(argv).encode())
+    if "hack.localcluster.nodeagent" in argv:
+        for f in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def stale_components(cfg: C.ClusterConfig | None = None) -> list[str]:
+    """Running components whose configuration or code differs from what `up` would start now.
+    They are not restarted automatically (others may be using the cluster): run
+    `make cluster-down cluster-up` to apply."""
+    cfg = cfg or C.load()
+    try:
+        sec = json.loads(cfg.secrets_file.read_text())
+    except OSError:
+        return []
+    out = []
+    for name in COMPONENTS:
+        rec = cfg.pids / f"{name}.config"
+        if _alive(_pid(cfg, name), _marker(cfg, name)):
+            argv, _ = _argv(cfg, name, sec, write=False)
+            if not rec.exists() or rec.read_text() != _fingerprint(argv):
+                out.append(name)
+    return out
 
 
 def _stop(cfg: C.ClusterConfig, name: str, timeout: float = 20) -> None:
@@ -352,7 +383,7 @@ def env(cfg: C.ClusterConfig | None = None) -> dict[str, str]:
 # component command lines
 
 
-def _argv(cfg: C.ClusterConfig, name: str, sec: dict) -> tuple[list[str], dict | None]:
+def _argv(cfg: C.ClusterConfig, name: str, sec: dict, write: bool = True) -> tuple[list[str], dict | None]:
     d, pki, kc = cfg.state_dir, cfg.pki, str(cfg.kubeconfig)
     if name == "etcd":
         peer = f"http://127.0.0.1:{cfg.etcd_peer_port}"
@@ -389,8 +420,9 @@ def _argv(cfg: C.ClusterConfig, name: str, sec: dict) -> tuple[list[str], dict |
                 f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt"], None
     if name == "kube-scheduler":
         conf = d / "scheduler.yaml"
-        conf.write_text("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n"
-                        f"clientConnection:\n  kubeconfig: {kc}\nleaderElection:\n  leaderElect: false\n")
+        if write:
+            conf.write_text("apiVersion: kubescheduler.config.k8s.io/v1\nkind: KubeSchedulerConfiguration\n"
+                            f"clientConnection:\n  kubeconfig: {kc}\nleaderElection:\n  leaderElect: false\n")
         return [kube_bin("kube-scheduler"), f"--config={conf}", "--bind-address=127.0.0.1",
                 f"--secure-port={cfg.scheduler_port}", f"--cert-dir={pki}/scheduler",
                 f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}"], None
@@ -432,6 +464,10 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
     st = status(cfg)
     if all(st.values()):
         log(f"cluster already up ({cfg.state_dir})")
+        stale = stale_components(cfg)
+        if stale:
+            log(f"WARNING: {', '.join(stale)} run(s) with an older configuration or code than this checkout; "
+                "`make cluster-down cluster-up` applies it")
         return cfg
     if not any(_alive(_pid(cfg, n), _marker(cfg, n)) for n in COMPONENTS):
         # Nothing of it runs (first start, or a machine that lost its processes): start clean

@@ -66,14 +66,15 @@ def test_up_is_idempotent_and_down_leaves_nothing(tmp_path):
         assert up.returncode == 0, up.stderr
         cold = time.time() - t0
         assert all(localcluster.status(cfg).values()), localcluster.status(cfg)
-        pids = {p.name: p.read_text() for p in cfg.pids.iterdir()}
+        pids = {p.name: p.read_text() for p in cfg.pids.glob("*.pid")}
         assert set(pids) == {f"{n}.pid" for n in localcluster.cluster.COMPONENTS}
+        assert localcluster.cluster.stale_components(cfg) == []
 
         t0 = time.time()
         again = cli("up")
         assert again.returncode == 0 and "already up" in again.stderr, again.stderr
         assert time.time() - t0 < 20
-        assert {p.name: p.read_text() for p in cfg.pids.iterdir()} == pids  # nothing restarted
+        assert {p.name: p.read_text() for p in cfg.pids.glob("*.pid")} == pids  # nothing restarted
 
         st = cli("status")
         assert st.returncode == 0 and "DOWN" not in st.stdout, st.stdout
