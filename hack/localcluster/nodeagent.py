@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
-import ipaddress
 import json
 import os
 import re

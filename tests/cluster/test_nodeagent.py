@@ -3,7 +3,6 @@ network, exit codes and termination messages, graceful deletion, eviction and no
 from __future__ import annotations
 
 import json
-import os
 import socket
 import struct
 import textwrap
