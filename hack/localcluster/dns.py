@@ -30,6 +30,9 @@ def _parse_question(data: bytes) -> tuple[str, int, int]:
 
 
 def _response(query: bytes, q_end: int, rcode: int, ips: list[str]) -> bytes:
+    # Stay within the classic 512-byte UDP limit (there is no TCP fallback here): a headless
+    # Service with more ready pods than that answers with the first ones, like a round robin.
+    ips = ips[: max(0, (512 - q_end) // 16)]
     qid, flags = struct.unpack("!HH", query[:4])
     flags = 0x8000 | 0x0400 | (flags & 0x0100) | 0x0080 | rcode  # QR, AA, RD copied, RA
     head = struct.pack("!HHHHHH", qid, flags, 1, len(ips), 0, 0)
