@@ -19,7 +19,7 @@ TRAINER_IMAGE := $(IMAGE_REGISTRY)/trainer:$(IMAGE_TAG)
 KIND_CLUSTER ?= sftjob
 KIND_CTX := kind-$(KIND_CLUSTER)
 
-.PHONY: chart-crd chart-lint chart-scan chart-test chart-test-cluster checkov-install images kind-e2e
+.PHONY: chart-lint chart-scan chart-test chart-test-cluster checkov-install images kind-e2e
 
 $(HELM):
 	hack/build-binaries.sh helm
@@ -29,9 +29,6 @@ $(CHECKOV):
 	$(CHECKOV_VENV)/bin/pip install -q checkov==$(CHECKOV_VERSION)
 
 checkov-install: $(CHECKOV) ## Install checkov into its own venv under ~/.cache/sftjob (the chart tests need it)
-
-chart-crd: ## Copy crds/sftjob.io_sftjobs.yaml into the chart (after `make crds`; a test checks they agree)
-	cp crds/sftjob.io_sftjobs.yaml $(CHART)/files/sftjob.io_sftjobs.yaml
 
 chart-lint: install $(HELM) ## helm lint --strict the chart; hadolint both Dockerfiles
 	$(HELM) lint --strict $(CHART)

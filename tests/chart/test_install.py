@@ -154,9 +154,11 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
         assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:] + op_log()[-3000:]
     except AssertionError as err:
         raise AssertionError(f"{err}\noperator log:\n{op_log()[-4000:]}") from None
-    # The chart's operator did the work: in-cluster credentials, and its own decisions logged.
+    # The chart's operator did the work with its in-cluster credentials: it logged its own
+    # decisions about the job, which it writes to the status before acting. (Another test
+    # run's cluster-wide operator may act on the job too and create the pods first.)
     log = op_log()
-    assert f"{jobs_ns}/tiny-lora: creating pods" in log, log[-3000:]
+    assert f"{jobs_ns}/tiny-lora: phase Succeeded" in log, log[-3000:]
     # The only refusal is the one the namespace-scoped role means: kopf may not list
     # namespaces, retries, then uses the given names (see the chart README).
     refusals = [line for line in log.splitlines() if "Forbidden" in line or "permissions" in line]
