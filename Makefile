@@ -30,9 +30,8 @@ test-unit: install ## Run only the fast tests (no torchrun, no cluster)
 -include charts/chart.mk
 -include bench/bench.mk
 
-demo: install ## Fine-tune the tiny local model with LoRA on 2 processes and print where the model went
-	$(PY) -m sftjob_trainer.assets .demo/assets
-	OMP_NUM_THREADS=1 $(PY) -m sftjob_trainer.launch --standalone --nproc-per-node=2 -- --config examples/trainer-local.yaml
+demo: install ## End to end: local cluster, Helm chart, SFTJob preempted and resumed, model from S3, Prometheus (DEMO_STEPS=N: shorter)
+	OMP_NUM_THREADS=1 $(PY) demo/run.py
 
 clean: ## Remove local run outputs (.demo, caches); keeps .venv and the binary cache
 	rm -rf .demo .pytest_cache

@@ -219,7 +219,9 @@ def stage_cluster(ctx: Ctx) -> None:
     if existed:
         # The local node agent runs the operator from this working tree, not from an image:
         # restart it so that it runs the code checked out now.
-        deploy = f"deployment/{args.release}-sftjob-operator"
+        deps = ctx.kube.get(f"/apis/apps/v1/namespaces/{args.system_namespace}/deployments",
+                            labelSelector=f"app.kubernetes.io/instance={args.release}")["items"]
+        deploy = f"deployment/{deps[0]['metadata']['name']}"
         ctx.kubectl("-n", args.system_namespace, "rollout", "restart", deploy,
                     show=f"kubectl -n {args.system_namespace} rollout restart {deploy}   "
                          "# the local cluster runs the operator from the working tree")
@@ -393,6 +395,8 @@ def stage_job(ctx: Ctx) -> dict:
     out.say(_row(ctx.kubectl("-n", a.namespace, "get", "sft", a.job).stdout, header=True))
 
     last_key = None
+    last_change = time.time()
+    warned = False
     preempted = None      # dict with the eviction facts once done
     resume = None
     deadline = time.time() + a.timeout
@@ -406,6 +410,12 @@ def stage_job(ctx: Ctx) -> dict:
             phase_changed = last_key is None or key[0] != last_key[0] or key[2] != last_key[2]
             out.progress(line, newline=phase_changed or not TTY)
             last_key = key
+            last_change = time.time()
+        elif not warned and time.time() - last_change > 180:
+            warned = True
+            out.say(f"no progress for 3 minutes; `kubectl -n {a.namespace} describe sft {a.job}` and the pods' "
+                    f"logs in .cluster/pods/ say why (is another sftjob-operator, e.g. one started with "
+                    f"--all-namespaces by a test, acting on this job too?)")
         if preempted is None and st.get("phase") == "Running" and \
                 (prog.get("lastCheckpointStep") or 0) >= ctx.preempt_after:
             preempted = preempt(ctx, job)
@@ -570,6 +580,11 @@ def stage_model(ctx: Ctx, job: dict) -> None:
 
 # ------------------------------------------------------------------------------ metrics
 
+def _by_attempt(series: list[dict]) -> dict[tuple[str | None, float], float]:
+    """{(attempt label, timestamp): value}: each gang attempt's rank-0 pod is its own series."""
+    return {(s["metric"].get("attempt"), float(t)): float(v) for s in series for t, v in s["values"]}
+
+
 def _values(series: list[dict]) -> list[tuple[float, float]]:
     return [(float(t), float(v)) for s in series for t, v in s["values"]]
 
@@ -591,18 +606,19 @@ def stage_metrics(ctx: Ctx) -> None:
     by_cause = {c: int(after[c] - before.get(c, 0)) for c in after}
     phases = prom.query('sftjob_operator_jobs > 0', at=end)
 
-    sv = dict(_values(steps))
+    sv = _by_attempt(steps)
     # A fresh trainer serves loss 0 until its first step: only samples after a step count.
-    lv = sorted((t, v) for t, v in _values(loss) if sv.get(t, 0) > 0 and v > 0)
+    lv = sorted((t, v, sv.get((s["metric"].get("attempt"), float(t)), 0)) for s in loss for t, v in s["values"])
+    lv = [(t, float(v), st) for t, v, st in lv if st > 0 and float(v) > 0]
     tv = [v for _, v in _values(tps)]
     out.cmd(f"curl -s '{prom.url}/api/v1/query_range?query=sftjob_trainer_loss{{{sel}}}&...'")
     if lv:
-        out.say(f"loss:      {lv[0][1]:.3f} at the start (step {int(sv.get(lv[0][0], 0))}) -> "
-                f"{lv[-1][1]:.3f} at the end (step {int(sv.get(lv[-1][0], 0))})   [{len(loss)} series, "
+        out.say(f"loss:      {lv[0][1]:.3f} at the start (step {int(lv[0][2])}) -> "
+                f"{lv[-1][1]:.3f} at the end (step {int(lv[-1][2])})   [{len(loss)} series, "
                 f"{len(lv)} samples]")
     else:
         out.say("loss:      no samples (the trainer was never scraped)")
-    vv = sorted(_values(val))
+    vv = sorted((t, v) for t, v in _values(val) if v > 0)
     if vv:
         out.say(f"val loss:  {vv[-1][1]:.3f} (last validation)")
     if tv:
@@ -614,7 +630,7 @@ def stage_metrics(ctx: Ctx) -> None:
                 + ", ".join(f"{r['metric'].get('phase')}={float(r['value'][1]):.0f}" for r in phases))
 
     png = a.workdir / "loss.png"
-    _plot(png, lv, sv, vv, ctx.summary.get("preemption"), a.job)
+    _plot(png, loss, sv, val, ctx.summary.get("preemption"), a.job)
     out.say(f"loss curve: {png.relative_to(REPO) if png.is_relative_to(REPO) else png}")
 
     checks = promlib.check_dashboard(prom, DASHBOARD, start, end)
@@ -631,28 +647,32 @@ def stage_metrics(ctx: Ctx) -> None:
     }
 
 
-def _plot(png: Path, loss: list, steps: dict, val: list, pre: dict | None, job: str) -> None:
+def _plot(png: Path, loss: list[dict], steps: dict, val: list[dict], pre: dict | None, job: str) -> None:
+    """Loss against the optimizer step, one line per gang attempt (each rank-0 pod is a series)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    xs = [steps.get(t) for t, _ in loss]
-    if loss and all(x is not None for x in xs):
-        ax.plot(xs, [v for _, v in loss], ".-", label="train loss (scraped every 2 s)")
-        ax.set_xlabel("optimizer step")
-        if val:
-            ax.plot([steps.get(t, float("nan")) for t, _ in val], [v for _, v in val], "s", label="validation loss")
-        if pre and pre.get("checkpoint_step") is not None:
-            ax.axvline(pre["checkpoint_step"], color="red", ls="--",
-                       label=f"preempted; resumed from step {pre['checkpoint_step']}")
-    else:
-        t0 = loss[0][0] if loss else 0
-        ax.plot([t - t0 for t, _ in loss], [v for _, v in loss], ".-", label="train loss")
-        ax.set_xlabel("seconds")
+    for series in sorted(loss, key=lambda s: s["metric"].get("attempt", "")):
+        att = series["metric"].get("attempt")
+        pts = [(steps.get((att, float(t)), 0), float(v)) for t, v in series["values"]]
+        pts = sorted({s: v for s, v in pts if s > 0 and v > 0}.items())
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-",
+                    label=f"train loss, attempt {series['metric'].get('attempt', '?')}")
+    vpts = sorted({steps.get((s["metric"].get("attempt"), float(t)), 0): float(v)
+                   for s in val for t, v in s["values"] if float(v) > 0}.items())
+    if vpts:
+        ax.plot([p[0] for p in vpts], [p[1] for p in vpts], "s", label="validation loss")
+    if pre:
+        at = pre.get("resume_step") or pre.get("checkpoint_step")
+        if at is not None:
+            ax.axvline(at, color="red", ls="--", label=f"evicted; resumed from step {at}")
+    ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.set_title(f"SFTJob {job}: loss from Prometheus")
+    ax.set_title(f"SFTJob {job}: loss scraped by Prometheus every {promlib.SCRAPE_INTERVAL}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
