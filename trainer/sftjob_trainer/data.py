@@ -109,7 +109,7 @@ class ParquetRows:
         self.group_start = np.concatenate([[0], np.cumsum([g[2] for g in groups], dtype=np.int64)])
         self.num_rows = int(self.group_start[-1])
         self._cache_key: int | None = None
-        self._cache: list[dict[str, Any]] = []
+        self._cache: pa.Table | None = None
 
     def _open(self, fi: int) -> pq.ParquetFile:
         pf = self._handles.get(fi)
@@ -129,10 +129,12 @@ class ParquetRows:
         g = self.group_of(index)
         if g != self._cache_key:
             fi, rg, _ = self.groups[g]
-            table = self._open(fi).read_row_group(rg, columns=self.columns)
-            self._cache = table.to_pylist()
+            # Kept as Arrow buffers (not Python objects): a rank holds one decompressed
+            # row group at a time, whatever the size of the dataset.
+            self._cache = self._open(fi).read_row_group(rg, columns=self.columns)
             self._cache_key = g
-        return self._cache[index - int(self.group_start[g])]
+        j = index - int(self.group_start[g])
+        return {c: self._cache.column(c)[j].as_py() for c in self.columns}
 
     def fingerprint(self) -> str:
         """Identifies the data (files, sizes, row counts) so a resume can refuse other data."""

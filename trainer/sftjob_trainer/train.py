@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import signal
 import time
 from pathlib import Path
@@ -24,6 +25,11 @@ from .outputs import Outputs
 from .storage import local_model_path
 
 log = logging.getLogger(__name__)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Preempted(Exception):
@@ -79,8 +85,6 @@ class Trainer:
 
         self.checkpoints = self.outputs.checkpoints
         self.outputs.restore_metrics()
-        self.metrics = Metrics(self.output / "metrics.jsonl" if world.is_main else None,
-                               cfg.trainer.metrics_port if world.is_main else 0)
         self.state = ckpt.TrainerState(
             step=0, epoch=0, cursor=0, total_steps=self.total_steps, global_batch=cfg.data.train_batch_size,
             data_fingerprint=self.train_ds.fingerprint(), world_size=world.size, tokens_seen=0,
@@ -88,6 +92,9 @@ class Trainer:
         )
         self.last_committed = -1
         self._resume()
+        # Started after the resume so a scrape never sees step 0 of a resumed run.
+        self.metrics = Metrics(self.output / "metrics.jsonl" if world.is_main else None,
+                               cfg.trainer.metrics_port if world.is_main else 0)
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
 
@@ -173,8 +180,9 @@ class Trainer:
         seconds = time.perf_counter() - t0
 
         self.state = ckpt.TrainerState(**{**self.state.__dict__, **self._advance(), "tokens_seen": self.state.tokens_seen + int(n_tokens)})
+        rss = dist_utils.all_reduce_max(torch.tensor([peak_rss_mb()])).item()
         row = dict(step=self.state.step, epoch=self.state.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
-                   tokens=int(n_tokens), tokens_per_s=n_tokens / seconds)
+                   tokens=int(n_tokens), tokens_per_s=n_tokens / seconds, max_rss_mb=rss)
         if self.cfg.trainer.log_sample_ids:
             ids = dist_utils.all_gather_objects([i for mb in micro_batches for i in mb.sample_ids])
             row["sample_ids"] = [i for part in ids for i in part]
