@@ -57,11 +57,14 @@ def system_ns(cluster):
 
 @pytest.fixture
 def shared_crd(cluster):
-    """The CRD as crds/ has it before and after the test (it is shared by every test run)."""
+    """The CRD as crds/ has it during the test, and afterwards as it was (it is shared by
+    every test run, and the demo's release may own it)."""
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_SOURCE))
+    before = cluster.kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")
     yield
     # replace, not apply: fields another manager (helm) added must go too.
-    cluster.kubectl("replace", "-f", str(CRD_SOURCE))
+    meta = {k: v for k, v in before["metadata"].items() if k in ("name", "labels", "annotations")}
+    cluster.kubectl("replace", "-f", "-", input=json.dumps({**before, "metadata": meta, "status": None}))
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
 
 
