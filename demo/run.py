@@ -337,7 +337,7 @@ def stage_assets(ctx: Ctx) -> None:
 CPU_PEAK_TFLOPS = 0.1
 
 
-def job_manifest(args, crd: dict | None = None) -> tuple[dict, list[str]]:
+def job_manifest(args, crd: dict | None = None, s3_endpoint: str | None = None) -> tuple[dict, list[str]]:
     """examples/sftjob.yaml, with the demo's overrides (printed, so nothing is hidden)."""
     import yaml
 
@@ -345,6 +345,9 @@ def job_manifest(args, crd: dict | None = None) -> tuple[dict, list[str]]:
     notes = []
     obj["metadata"]["name"] = args.job
     spec = obj["spec"]
+    if s3_endpoint and spec["storage"].get("endpoint") and spec["storage"]["endpoint"] != s3_endpoint:
+        spec["storage"]["endpoint"] = s3_endpoint  # a local cluster on another bridge address
+        notes.append(f"storage.endpoint={s3_endpoint} (this cluster's MinIO)")
     if crd is not None and "peakTflops" not in spec["training"] and _training_fields(crd) >= {"peakTflops"}:
         spec["training"]["peakTflops"] = CPU_PEAK_TFLOPS
         notes.append(f"training.peakTflops={CPU_PEAK_TFLOPS} (nominal for one CPU core, so that MFU is reported)")
@@ -385,7 +388,7 @@ def stage_job(ctx: Ctx) -> dict:
     out.stage(3, f"Applying examples/sftjob.yaml ({a.job}: 2 nodes, LoRA, data and output in S3)")
     _delete_previous(ctx)
     crd = ctx.kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")
-    obj, notes = job_manifest(a, crd)
+    obj, notes = job_manifest(a, crd, ctx.cfg.s3_endpoint)
     for n in notes:
         out.say(n)
     ctx.t_apply = time.time()

@@ -144,3 +144,17 @@ def test_dashboard_query_returns_data(demo, title, expr):
     q = promlib.grafana_expand(expr, {"sftjob": "tiny-lora", "datasource": "prometheus"})
     series = prom.query_range(q, s["prometheus"]["start"], s["prometheus"]["end"], step=2)
     assert series, f"panel {title!r}: {q} returned no data"
+
+
+# Panels the issue asks for that the chart's dashboard does not have yet (proposed to its
+# owner); checked here so that the proposal is known to work.
+PROPOSED = {
+    "Checkpoint age (steps)": 'sftjob_trainer_step{sftjob=~"$sftjob"} - sftjob_trainer_last_checkpoint_step{sftjob=~"$sftjob"}',
+}
+
+
+@pytest.mark.parametrize("title,expr", list(PROPOSED.items()), ids=list(PROPOSED))
+def test_proposed_panel_query_returns_data(demo, title, expr):
+    s, prom = demo["summary"], demo["prom"]
+    q = promlib.grafana_expand(expr, {"sftjob": "tiny-lora"})
+    assert prom.query_range(q, s["prometheus"]["start"], s["prometheus"]["end"], step=2), q
