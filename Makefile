@@ -19,10 +19,10 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## Create/update .venv with the trainer, operator and dev dependencies
 
-test: install ## Run the whole test suite (unit, distributed, cluster)
+test: install checkov-install ## Run the whole test suite (unit, distributed, cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test-unit: install ## Run only the fast tests (no torchrun, no cluster)
+test-unit: install checkov-install ## Run only the fast tests (no torchrun, no cluster)
 	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)
 
 -include hack/cluster.mk
