@@ -1,0 +1,16 @@
+# Throughput bench targets; the top-level Makefile includes this file (-include bench/bench.mk).
+# REPS, STEPS, CONTENDERS, PRECISIONS and BENCH_ARGS pass through, e.g.
+#   make bench REPS=3
+#   make bench CONTENDERS=ours,trl_packed PRECISIONS=fp32
+REPS ?= 1
+STEPS ?= 20
+CONTENDERS ?= ours,trl_padded,trl_packed,plain_padfree
+PRECISIONS ?= fp32,bf16
+
+.PHONY: bench bench-gpu
+
+bench: install ## Our trainer vs TRL and a plain loop on the CPU bench: tokens/s, MFU, peak RSS, loss (~15-20 min)
+	$(PY) bench/run.py --reps $(REPS) --steps $(STEPS) --contenders $(CONTENDERS) --precisions $(PRECISIONS) $(BENCH_ARGS)
+
+bench-gpu: install ## Our trainer on one GPU, 0.5B Qwen2-shaped model, bf16: tokens/s and MFU (skips without CUDA)
+	$(PY) bench/bench_gpu.py $(BENCH_ARGS)

@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""`make bench-gpu`: our trainer on one GPU, a 0.5B Qwen2-shaped random model, bf16.
+
+One short command for a lent GPU machine; elsewhere it prints why it skipped and exits 0.
+Builds (once, under --work): the bench data (make_data.py) and a random Qwen2-0.5B-shaped
+model (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, vocab 151,936, tied
+embeddings) saved with save_pretrained next to the bench's word-level tokenizer (its ids
+are a subset of the vocabulary). Then runs `python -m sftjob_trainer` with bf16 autocast,
+packed micro-batches by token budget, flash-attention varlen when flash-attn is installed
+(else per-sequence sdpa), and prints tokens/s over the timed window (steps after the
+warm-up) and MFU against --peak-tflops (default 790, an H100/H200-class dense bf16 peak).
+
+Usage: python bench/bench_gpu.py [--steps 12] [--warmup 3] [--global-batch 64]
+                                 [--tokens-per-micro-batch 16384] [--work .bench/gpu]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+
+QWEN2_05B = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
+    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+    max_position_embeddings=4096, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    hidden_act="silu", attention_dropout=0.0, use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def prepare(work: Path, examples: int) -> tuple[Path, Path]:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    data = work / "data"
+    if not (data / "train.parquet").exists():
+        subprocess.run([sys.executable, str(BENCH / "make_data.py"), "--out", str(data), "-n", str(examples)],
+                       check=True, stdout=subprocess.DEVNULL)
+    model = work / "model"
+    if not (model / "config.json").exists():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(**QWEN2_05B)).save_pretrained(model)
+        for f in (data / "tokenizer").iterdir():
+            shutil.copy(f, model / f.name)
+    return data, model
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--global-batch", type=int, default=64)
+    ap.add_argument("--tokens-per-micro-batch", type=int, default=16384)
+    ap.add_argument("--examples", type=int, default=2048)
+    ap.add_argument("--peak-tflops", type=float, default=790.0)
+    ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "gpu")
+    args = ap.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench-gpu: skipped (no CUDA device on this machine)")
+        return 0
+    assert args.steps * args.global_batch <= args.examples, "not enough examples for the steps asked"
+    args.work.mkdir(parents=True, exist_ok=True)
+    data, model = prepare(args.work, args.examples)
+    out = args.work / "run"
+    shutil.rmtree(out, ignore_errors=True)
+    over = {
+        "model.path": model, "data.train_files": data / "train.parquet", "data.max_length": 512,
+        "data.train_batch_size": args.global_batch, "data.micro_batch_size_per_gpu": 1,
+        "data.max_tokens_per_micro_batch": args.tokens_per_micro_batch, "data.packing": "true",
+        "data.shuffle": "false", "optim.lr": 1e-4, "optim.lr_scheduler": "constant",
+        "trainer.total_training_steps": args.steps, "trainer.output_dir": out, "trainer.precision": "bf16",
+        "trainer.peak_tflops": args.peak_tflops, "trainer.seed": 0, "trainer.save_freq": 0,
+    }
+    cmd = [sys.executable, "-m", "sftjob_trainer", *[f"{k}={v}" for k, v in over.items()]]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stdout[-4000:] + proc.stderr[-4000:])
+        print(f"bench-gpu: our trainer failed (exit {proc.returncode})")
+        return 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = {r["step"]: r for r in rows if "loss" in r}
+    last = max(steps)
+    timed = [steps[s] for s in range(args.warmup + 1, last + 1)]
+    seconds = steps[last]["time"] - steps[args.warmup]["time"]
+    tokens = sum(r["tokens"] for r in timed)
+    flops = sum(r["mfu"] * args.peak_tflops * 1e12 * r["tokens"] / r["tokens_per_s"] for r in timed)
+    attn = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa_varlen"
+    print(f"device: {torch.cuda.get_device_name(0)}; attention: {attn}; bf16; "
+          f"{args.global_batch} sequences/step, ≤{args.tokens_per_micro_batch} tokens/micro-batch")
+    print(f"timed steps {args.warmup + 1}..{last}: {tokens} real tokens in {seconds:.2f}s")
+    print(f"tokens_per_s={tokens / seconds:.0f} mfu={flops / seconds / (args.peak_tflops * 1e12):.1%} "
+          f"(vs {args.peak_tflops:.0f} TFLOP/s) loss={steps[last]['loss']:.4f} "
+          f"wall={time.time() - t0:.0f}s")
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out / "hf", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Where our trainer's step time goes on the CPU bench: torch.profiler over a few steps.
+
+Runs the trainer's own pieces (model build with varlen attention and loss head, the global
+batch schedule, ce_sum, clip, fused AdamW) on the bench data and model made by bench/run.py,
+profiles --steps optimizer steps after one warm-up step and prints the top operators by self
+CPU time plus a coarse breakdown (matmuls, attention, loss head, optimizer, the rest).
+
+Usage: python bench/profile.py [--precision fp32|bf16] [--steps 2] [--work .bench]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GROUPS = [
+    ("matmul (linear layers, fwd+bwd)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("attention (sdpa kernels)", ("scaled_dot_product", "flash_attention")),
+    ("optimizer + clip", ("adam", "foreach", "norm")),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=ROOT / ".bench")
+    ap.add_argument("--rows", type=int, default=20)
+    args = ap.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers import AutoTokenizer
+
+    from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
+    from sftjob_trainer.data import GlobalBatches, SampleBuilder, SFTDataset
+    from sftjob_trainer.dist import World
+    from sftjob_trainer.loss import ce_sum
+    from sftjob_trainer.model import build_model
+    from sftjob_trainer.optim import build_optimizer
+
+    model_dir, data = str(args.work / "model"), str(args.work / "data" / "train.parquet")
+    world = World(0, 0, 1, torch.device("cpu"))
+    cfg = DataConfig(train_files=[data], max_length=512, train_batch_size=16, micro_batch_size_per_gpu=4,
+                     packing=True, shuffle=False)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    batches = GlobalBatches(SFTDataset([data], SampleBuilder(tok, cfg), "bench"), cfg, 0, 0, 1, tok.pad_token_id)
+    model = build_model(ModelConfig(path=model_dir), LoraConfig(), model_dir, world)
+    opt = build_optimizer(model.parameters(), OptimConfig(lr=1e-4, betas=(0.9, 0.999)), fused=True)
+
+    def step(k: int) -> None:
+        with record_function("data"):
+            mbs = batches.step_batches(0, 16 * k)
+        n = sum(mb.n_targets for mb in mbs)
+        for mb in mbs:
+            with record_function("forward+loss"):
+                ce = ce_sum(model, mb, world.device, args.precision)
+            with record_function("backward"):
+                (ce / n).backward()
+        with record_function("clip+adamw"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    model.train()
+    step(0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(1, args.steps + 1):
+            step(k)
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    total = sum(e.self_cpu_time_total for e in events)
+    shares = collections.Counter()
+    for e in events:
+        name = e.key.lower()
+        group = next((g for g, keys in GROUPS if any(k in name for k in keys)), "other (elementwise, norms, rope, "
+                     "softmax/CE, copies, python)")
+        shares[group] += e.self_cpu_time_total
+    phases = {e.key: e.cpu_time_total for e in events if e.key in ("data", "forward+loss", "backward", "clip+adamw")}
+    print(f"self CPU time by kind ({args.precision}, {args.steps} steps, {total / 1e6:.1f}s):")
+    for g, t in shares.most_common():
+        print(f"  {g:60s} {t / total:6.1%}")
+    print("wall time by phase (inclusive): " + ", ".join(f"{k} {v / 1e6:.2f}s" for k, v in phases.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Throughput features keep the numbers exact: chunked loss, varlen attention, token budgets."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig
+from sftjob_trainer.data import IGNORE, GlobalBatches, SampleBuilder, SFTDataset, collate, split_to, token_groups
+
+from . import runner
+
+
+@pytest.fixture(scope="module")
+def tok(assets):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(assets / "model")
+
+
+@pytest.mark.unit
+def test_chunked_linear_ce_matches_full_logits(monkeypatch):
+    import sftjob_trainer.loss as loss
+
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 64 * 500)  # several chunks and a ragged last one
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(300, 24, generator=g, requires_grad=True)
+    weight = torch.randn(500, 24, generator=g, requires_grad=True)
+    targets = torch.randint(0, 500, (300,), generator=g)
+    targets[::5] = IGNORE
+    got = loss.linear_ce_sum(hidden, weight, targets)
+    (got * 0.5).backward()
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    want = F.cross_entropy(hidden @ weight.t(), targets, ignore_index=IGNORE, reduction="sum")
+    (want * 0.5).backward()
+    assert torch.allclose(got, want, rtol=1e-6)
+    assert torch.allclose(gh, hidden.grad, atol=1e-5) and torch.allclose(gw, weight.grad, atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(loss.linear_ce_sum(hidden, weight, targets), want, rtol=1e-6)
+
+
+def _model(assets, attn: str):
+    from sftjob_trainer.dist import World
+    from sftjob_trainer.model import build_model
+
+    path = str(assets / "model")
+    return build_model(ModelConfig(path=path, attn_implementation=attn), LoraConfig(), path,
+                       World(0, 0, 1, torch.device("cpu")))
+
+
+@pytest.mark.unit
+def test_packed_varlen_loss_head_equals_padded_stock_model(assets, tok):
+    """Our model (per-sequence sdpa, loss head) on a packed row = stock sdpa on padded rows, grads too."""
+    from transformers import AutoModelForCausalLM
+
+    from sftjob_trainer.loss import ce_sum
+    from sftjob_trainer.model import LossHead
+
+    f = str(assets / "data" / "chat_train.parquet")
+    ds = SFTDataset([f], SampleBuilder(tok, DataConfig(train_files=[f], messages_key="messages", max_length=128)), "t")
+    ids = [0, 1, 2, 3, 4]
+    samples = [ds.sample(i) for i in ids]
+    padded = collate(samples, ids, packing=False, pad_id=tok.pad_token_id)
+    packed = collate(samples, ids, packing=True, pad_id=tok.pad_token_id)
+    ours = _model(assets, "auto")
+    assert ours.config._attn_implementation == "sdpa_varlen" and isinstance(ours.lm_head, LossHead)
+    stock = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32, attn_implementation="sdpa")
+    cpu = torch.device("cpu")
+    results = []
+    for model, mb in ((stock, padded), (ours, packed)):
+        model.zero_grad()
+        ce = ce_sum(model, mb, cpu, "fp32")
+        ce.backward()
+        results.append((ce.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (a, ga), (b, gb) = results
+    assert abs(a - b) / padded.n_targets < 1e-5
+    assert (ga - gb).abs().max() < 1e-4 * ga.abs().max()
+    # Outside a loss the head is the plain linear layer: logits as before.
+    with torch.no_grad():
+        x = packed.input_ids[:, :16]
+        assert torch.allclose(ours(input_ids=x).logits, stock(input_ids=x).logits, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_token_groups_respect_the_budget():
+    lengths = np.array([100, 200, 300, 700, 50, 50, 900, 10])
+    groups = token_groups(lengths, 600)
+    assert [lengths[g].tolist() for g in groups] == [[100, 200, 300], [700], [50, 50], [900], [10]]
+    split = split_to(groups, 7)
+    assert len(split) == 7 and [i for g in split for i in range(g.start, g.stop)] == list(range(len(lengths)))
+
+
+@pytest.mark.unit
+def test_token_budget_micro_batches_are_world_size_independent(assets, tok):
+    f = str(assets / "data" / "train.parquet")
+    c = DataConfig(train_files=[f], max_length=64, train_batch_size=16, micro_batch_size_per_gpu=1,
+                   max_tokens_per_micro_batch=90, packing=True)
+    ds = SFTDataset([f], SampleBuilder(tok, c), "train")
+    ids = lambda mbs: [i for mb in mbs for i in mb.sample_ids]  # noqa: E731
+    for cursor in (0, 16, 32):
+        one = GlobalBatches(ds, c, 3, 0, 1, 0).step_batches(0, cursor)
+        assert all(mb.n_tokens <= 90 or len(mb.sample_ids) == 1 for mb in one)
+        assert len(one) < 16, "a token budget groups several samples per micro-batch"
+        for world in (2, 4):
+            ranks = [GlobalBatches(ds, c, 3, r, world, 0).step_batches(0, cursor) for r in range(world)]
+            assert len({len(r) for r in ranks}) == 1, "every rank must run the same number of forwards"
+            assert ids(one) == [i for r in ranks for i in ids(r)]
+
+
+@pytest.mark.distributed
+def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_path):
+    """Real trainer runs: same samples per step, so packed/token-budget losses equal the padded ones."""
+    over = {"trainer.total_training_steps": 4, "data.micro_batch_size_per_gpu": 4, "data.shuffle": "false",
+            "trainer.peak_tflops": 1.0}
+    variants = {
+        "padded": {"data.packing": "false", "model.attn_implementation": "sdpa"},
+        "packed": {"data.packing": "true"},
+        "budget": {"data.packing": "true", "data.max_tokens_per_micro_batch": 100},
+    }
+    losses = {}
+    for name, extra in variants.items():
+        out = tmp_path / name
+        res = runner.run(runner.base_args(assets, out, **over, **extra), out)
+        assert res.code == 0, res.output
+        steps = res.steps()
+        losses[name] = [r["loss"] for r in steps]
+        assert all(0 < r["mfu"] < 1 and r["time"] > 0 for r in steps)
+    assert len(losses["padded"]) == 4
+    for name in ("packed", "budget"):
+        assert max(abs(a - b) for a, b in zip(losses["padded"], losses[name])) < 1e-4, (name, losses)
+
+
+@pytest.mark.unit
+def test_mfu_flops_follow_the_bench_formula():
+    """N_matmul of the bench model is the README's 12,587,904; tied heads are still counted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sftjob_trainer.metrics import step_flops
+    from sftjob_trainer.model import attention_dims, matmul_params
+
+    cfg = json.loads((Path(__file__).resolve().parents[2] / "bench" / "model_config.json").read_text())
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    assert matmul_params(model) == 12_587_904
+    assert attention_dims(model) == (6, 384)
+    assert step_flops(12_587_904, 6, 384, [100, 300]) == 6 * 12_587_904 * 400 + 6 * 6 * 384 * (100**2 + 300**2)
+    tied = LlamaForCausalLM(LlamaConfig(**{**cfg, "tie_word_embeddings": True}))
+    assert matmul_params(tied) == 12_587_904
