@@ -407,7 +407,7 @@ def stage_job(ctx: Ctx) -> dict:
         job = ctx.get_job()
         st = _status(job)
         prog = st.get("progress", {}) or {}
-        key = (st.get("phase"), prog.get("step"), (st.get("restarts") or {}).get("total"))
+        key = (st.get("phase"), prog.get("step"), (st.get("restarts") or {}).get("total") or 0)
         if key != last_key:
             line = _row(ctx.kubectl("-n", a.namespace, "get", "sft", a.job, check=False).stdout)
             phase_changed = last_key is None or key[0] != last_key[0] or key[2] != last_key[2]
@@ -557,28 +557,53 @@ def stage_model(ctx: Ctx, job: dict) -> None:
     transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(1)
     rows = pq.read_table(ctx.assets / "data" / "val.parquet").to_pylist()
-    row = rows[0]
 
-    def generate(path: Path) -> str:
+    def load(path: Path):
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path)
-        model.eval()
-        text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+        return tok, model.eval()
+
+    def generate(tok, model, prompt: str) -> str:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                        add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False, return_tensors="pt")
         with torch.no_grad():
-            gen = model.generate(**ids, max_new_tokens=24, do_sample=False)
+            gen = model.generate(**ids, max_new_tokens=16, do_sample=False)
         return tok.decode(gen[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
-    tuned = generate(dest)
-    base = generate(ctx.assets / "model")
-    out.say(f"prompt (validation row 0): {row['prompt']}")
-    out.say(f"  expected:    {row['response']}")
-    out.say(f"  base model:  {base or '(nothing)'}")
-    out.say(f"  fine-tuned:  {tuned or '(nothing)'}")
-    ctx.summary.update(model_loads=True, model_dir=str(dest),
-                       generation={"prompt": row["prompt"], "expected": row["response"], "base": base,
-                                   "fine_tuned": tuned})
+    def response_loss(tok, model) -> float:
+        """Mean loss on the validation responses (the tokens the job trained on)."""
+        total = count = 0.0
+        for row in rows:
+            user = [{"role": "user", "content": row["prompt"]}]
+            prompt = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+            full = tok.apply_chat_template(user + [{"role": "assistant", "content": row["response"]}], tokenize=False)
+            ids = tok(full, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+            labels = ids.clone()
+            labels[:, :n_prompt] = -100
+            with torch.no_grad():
+                loss = model(input_ids=ids, labels=labels).loss.item()
+            n = int((labels[:, 1:] != -100).sum())
+            total, count = total + loss * n, count + n
+        return total / max(count, 1)
+
+    tuned_tok, tuned = load(dest)
+    base_tok, base = load(ctx.assets / "model")
+    loss_base, loss_tuned = response_loss(base_tok, base), response_loss(tuned_tok, tuned)
+    out.say(f"loaded with AutoModelForCausalLM.from_pretrained; loss on the {len(rows)} validation responses: "
+            f"base {loss_base:.3f} -> fine-tuned {loss_tuned:.3f}")
+    samples = []
+    for row in rows[:3]:
+        b, t = generate(base_tok, base, row["prompt"]), generate(tuned_tok, tuned, row["prompt"])
+        samples.append({"prompt": row["prompt"], "expected": row["response"], "base": b, "fine_tuned": t})
+        out.say(f"prompt:      {row['prompt']}")
+        out.say(f"  expected:    {row['response']}")
+        out.say(f"  base model:  {b or '(nothing)'}")
+        out.say(f"  fine-tuned:  {t or '(nothing)'}")
+    ctx.summary.update(model_loads=True, model_dir=str(dest), val_response_loss={"base": loss_base,
+                                                                                 "fine_tuned": loss_tuned},
+                       generation=samples[0], generations=samples)
 
 
 # ------------------------------------------------------------------------------ metrics
@@ -623,7 +648,9 @@ def stage_metrics(ctx: Ctx) -> None:
         out.say("loss:      no samples (the trainer was never scraped)")
     vv = sorted((t, v) for t, v in _values(val) if v > 0)
     if vv:
-        out.say(f"val loss:  {vv[-1][1]:.3f} (last validation)")
+        mine = (ctx.summary.get("val_response_loss") or {}).get("fine_tuned")
+        out.say(f"val loss:  {vv[-1][1]:.3f} at the last validation"
+                + (f" (the downloaded model: {mine:.3f} on the same responses)" if mine is not None else ""))
     if tv:
         out.say(f"tokens/s:  {sum(tv) / len(tv):.0f} on average while running (max {max(tv):.0f}), all ranks")
     out.say("restarts by cause (sftjob_operator_gang_restarts_total): "
