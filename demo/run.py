@@ -648,9 +648,16 @@ def stage_metrics(ctx: Ctx) -> None:
         out.say("loss:      no samples (the trainer was never scraped)")
     vv = sorted((t, v) for t, v in _values(val) if v > 0)
     if vv:
-        mine = (ctx.summary.get("val_response_loss") or {}).get("fine_tuned")
-        out.say(f"val loss:  {vv[-1][1]:.3f} at the last validation"
-                + (f" (the downloaded model: {mine:.3f} on the same responses)" if mine is not None else ""))
+        # The gauge keeps its value until the next validation: its step is where it first appeared.
+        first_seen = {}
+        for s in val:
+            for t, v in s["values"]:
+                st = sv.get((s["metric"].get("attempt"), float(t)), 0)
+                if st > 0 and float(v) > 0:
+                    first_seen.setdefault(float(v), (float(t), st))
+        last = max(first_seen.items(), key=lambda kv: kv[1][0], default=None)
+        at = f" (scraped at step {int(last[1][1])})" if last else ""
+        out.say(f"val loss:  {last[0] if last else vv[-1][1]:.3f} at the last validation Prometheus saw{at}")
     if tv:
         out.say(f"tokens/s:  {sum(tv) / len(tv):.0f} on average while running (max {max(tv):.0f}), all ranks")
     out.say("restarts by cause (sftjob_operator_gang_restarts_total): "
