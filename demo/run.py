@@ -178,7 +178,7 @@ def stage_cluster(ctx: Ctx) -> None:
     missing = [c for c in ("k8s", "etcd", "helm", "minio", "kwok")
                if not (localcluster.bin_dir(c).parent / ".built").exists()]
     out.say("Go-built binaries: " + (f"building {' '.join(missing)} into {localcluster.bin_dir('k8s').parent.parent}"
-                                     " (cold cache: 15-25 min on 2 cores)" if missing else
+                                     " (cold: about 28 min on 2 cores, see hack/README.md)" if missing else
                                      f"cached in {localcluster.bin_dir('k8s').parent.parent}"))
     t = time.time()
     ctx.cfg = localcluster.up()
