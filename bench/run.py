@@ -45,7 +45,8 @@ DATA_SHA = "80c74d2f"  # prefix of make_data.py's ids_sha256 for the default arg
 # --------------------------------------------------------------------------- inputs
 
 
-def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, peak_sizes: str = "1024,2048") -> dict:
+def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, peak_sizes: str = "1024,2048",
+            threads: int = 0) -> dict:
     """Data and the seed-0 model in the form our trainer loads (made once), and the matmul peak."""
     py = sys.executable
     data = work / "data"
@@ -65,7 +66,7 @@ def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, p
     peak_json = out_dir / "peak.json"
     if not peak_json.exists():
         subprocess.run([py, str(BENCH / "matmul_peak.py"), "--json", str(peak_json), "--seconds", str(peak_seconds),
-                        "--repeats", "2", "--sizes", *peak_sizes.split(",")], check=True, stdout=subprocess.DEVNULL)
+                        "--repeats", "2", "--sizes", *peak_sizes.split(","), "--threads", str(threads)], check=True, stdout=subprocess.DEVNULL)
     return {"data": data, "model": model, "peak": json.loads(peak_json.read_text()), "peak_json": peak_json}
 
 
@@ -262,7 +263,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     out_dir = args.out or args.work / "results" / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    inp = prepare(args.work, out_dir, args.peak_seconds, args.num_examples, args.peak_sizes)
+    inp = prepare(args.work, out_dir, args.peak_seconds, args.num_examples, args.peak_sizes, args.threads)
     check_same_tokens(inp["data"], inp["model"])
     contenders = args.contenders.split(",")
     precisions = args.precisions.split(",")

@@ -56,7 +56,8 @@ class ModelConfig(_Section):
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         default="auto",
         description="Attention kernel. 'auto' picks flash_attention_2 on GPU when the "
-        "flash-attn package is importable, else sdpa.",
+        "flash-attn package is importable, else sdpa run once per sequence of a packed row "
+        "(padded batches use plain sdpa).",
     )
     gradient_checkpointing: bool = Field(
         default=False,
