@@ -35,3 +35,7 @@ demo: install ## End to end: local cluster, Helm chart, SFTJob preempted and res
 
 clean: ## Remove local run outputs (.demo, caches); keeps .venv and the binary cache
 	rm -rf .demo .pytest_cache
+
+train-local: install ## Train the tiny model on this machine only (2 processes, no cluster); prints where the model went
+	$(PY) -m sftjob_trainer.assets .demo/assets
+	OMP_NUM_THREADS=1 $(PY) -m sftjob_trainer.launch --standalone --nproc-per-node=2 -- --config examples/trainer-local.yaml

@@ -115,7 +115,8 @@ def run(cfg) -> int:
         return _fail(TrainerError(f"{type(err).__name__}: {err}"))
     finally:
         if trainer is not None:
-            trainer.close()
+            # Long enough for one more Prometheus scrape of the final step and validation.
+            trainer.close(linger_s=5.0 if cfg.trainer.metrics_port and world.is_main else 0.0)
         dist_utils.close_world()
 
 

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import time
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,13 @@ _GAUGES = {
     "tokens_per_s": ("sftjob_trainer_tokens_per_second", "Real (non-pad) tokens per second, all ranks"),
     "mfu": ("sftjob_trainer_mfu", "Model FLOPs utilisation of the last step (0..1)"),
     "last_checkpoint_step": ("sftjob_trainer_last_checkpoint_step", "Step of the newest committed checkpoint"),
-    "checkpoint_save_seconds": ("sftjob_trainer_checkpoint_save_seconds", "Wall time of the last checkpoint save"),
+    "checkpoint_save_seconds": ("sftjob_trainer_checkpoint_save_seconds", "Seconds training was blocked by the last checkpoint"),
+    "last_checkpoint_time": ("sftjob_trainer_last_checkpoint_timestamp_seconds",
+                             "Unix time of the newest checkpoint (checkpoint age = time() - this)"),
 }
+# Gauges that have no value until the first step measures them: NaN, never a fake 0.
+_UNSET_UNTIL_MEASURED = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "checkpoint_save_seconds",
+                         "last_checkpoint_time")
 _COUNTERS = {
     "tokens": ("sftjob_trainer_tokens", "Real (non-pad) tokens processed"),
     "skipped": ("sftjob_trainer_skipped_steps", "Steps skipped for a non-finite gradient norm"),
@@ -51,6 +57,8 @@ class Metrics:
         registry = CollectorRegistry()
         self._gauges = {k: Gauge(n, h, registry=registry) for k, (n, h) in _GAUGES.items()}
         self._counters = {k: Counter(n, h, registry=registry) for k, (n, h) in _COUNTERS.items()}
+        for k in _UNSET_UNTIL_MEASURED:
+            self._gauges[k].set(float("nan"))
         self._server, _ = start_http_server(port, registry=registry)
         log.info("metrics on :%d/metrics", port)
 
@@ -72,11 +80,14 @@ class Metrics:
             self._fh.write(json.dumps({**row, "time": round(time.time(), 3)}) + "\n")
         self.gauge(**{k: v for k, v in row.items() if isinstance(v, (int, float))})
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop; ``linger_s`` keeps the endpoint up so a scraper sees the final values."""
         if self._fh is not None:
             self._fh.close()
             self._fh = None
         if self._server is not None:
+            if linger_s:
+                time.sleep(linger_s)
             self._server.shutdown()
             self._server = None
 

@@ -130,7 +130,8 @@ class Trainer:
         self.last_committed = self.state.step
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
                  "" if final or not self.outputs.remote else " (uploading in the background)")
-        self.metrics.gauge(last_checkpoint_step=self.state.step, checkpoint_save_seconds=blocked)
+        self.metrics.gauge(last_checkpoint_step=self.state.step, checkpoint_save_seconds=blocked,
+                           last_checkpoint_time=time.time())
         self.outputs.publish_metrics()
 
     # ------------------------------------------------------------------ loop
@@ -250,6 +251,6 @@ class Trainer:
         dist_utils.barrier()
         return self.outputs.location(final)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
         self.checkpoints.wait(raise_errors=False)
-        self.metrics.close()
+        self.metrics.close(linger_s)

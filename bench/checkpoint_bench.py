@@ -1,0 +1,96 @@
+"""Checkpoint cost and SIGTERM-to-exit time of the real trainer, local and on S3.
+
+    python bench/checkpoint_bench.py [--params 500] [--s3 s3://bucket/prefix]
+
+Builds a random Llama-shaped model of about ``--params`` million parameters (saved with
+save_pretrained, loaded by the trainer like any user model), fine-tunes it fully for a few
+steps on the tiny assets with a checkpoint every step, and reports from the trainer's own
+log: the blocking part of each save (training waits), the total until the checkpoint is
+committed, and the time from SIGTERM to the process exit (stop checkpoint included).
+For an s3:// output the AWS_* variables must point at the store (e.g. `source .cluster/env`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WRITTEN = re.compile(r"checkpoint step-(\d+) written in ([\d.]+)s")
+COMMITTED = re.compile(r"checkpoint .*step-(\d+) committed \(\d+ files, upload ([\d.]+)s\)")
+
+
+def make_model(out: Path, params_m: int, assets: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(assets / "model")
+    hidden = 1024 if params_m >= 200 else 256
+    per_layer = 12 * hidden * hidden  # attention 4h² + MLP 8h² (intermediate 2.67h, gated)
+    layers = max(1, round(params_m * 1e6 / per_layer))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=int(hidden * 8 / 3),
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
+                      max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    print(f"model: {layers} layers x hidden {hidden}: {n / 1e6:.0f}M parameters")
+
+
+def run(args: list[str], sigterm_after_step: int | None = None) -> tuple[str, float | None]:
+    cmd = [sys.executable, "-m", "sftjob_trainer", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, stop_at = [], None
+    for line in proc.stdout:
+        lines.append(line)
+        if sigterm_after_step and stop_at is None and re.search(rf"step {sigterm_after_step}/", line):
+            stop_at = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+    proc.wait()
+    took = time.monotonic() - stop_at if stop_at else None
+    return "".join(lines), took
+
+
+def report(name: str, log: str) -> None:
+    written = {int(s): float(t) for s, t in WRITTEN.findall(log)}
+    committed = {int(s): float(t) for s, t in COMMITTED.findall(log)}
+    for step, blocked in sorted(written.items()):
+        total = f"{blocked + committed[step]:.2f}s (+{committed[step]:.2f}s upload in the background)" if step in committed else "-"
+        print(f"  {name} step-{step}: blocking {blocked:.2f}s, total {total}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=int, default=500, help="model size in millions of parameters")
+    ap.add_argument("--s3", help="also write checkpoints to this s3:// prefix")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    from sftjob_trainer.assets import make_assets
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        assets = make_assets(tmp / "assets", train_rows=64, val_rows=8)
+        make_model(tmp / "model", a.params, assets)
+        base = [f"model.path={tmp / 'model'}", f"data.train_files={assets / 'data' / 'train.parquet'}",
+                "data.max_length=32", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=2",
+                "optim.lr=1e-5", "trainer.save_freq=1", "trainer.keep_checkpoints=1"]
+        outs = [("local", str(tmp / "out"))] + ([("s3", a.s3.rstrip("/") + f"/ckpt-bench-{int(time.time())}")] if a.s3 else [])
+        for name, out in outs:
+            log, _ = run(base + [f"trainer.output_dir={out}", f"trainer.total_training_steps={a.steps}"])
+            report(name, log)
+            log, took = run(base + [f"trainer.output_dir={out}-sig", "trainer.total_training_steps=1000",
+                                    "trainer.save_freq=0"], sigterm_after_step=2)
+            print(f"  {name}: SIGTERM at step 2 -> exit in {took:.2f}s (stop checkpoint included)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
