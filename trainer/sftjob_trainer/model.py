@@ -61,11 +61,13 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     bounds = sequence_bounds(kwargs)
+    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     gqa = query.shape[1] != key.shape[1]
+    # split, not slicing: the backward of a split is one cat, while every slice's backward
+    # would zero-fill and add a full-size gradient (a cost growing with sequences per row).
     parts = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
-                                       is_causal=True, scale=scaling, enable_gqa=gqa)
-        for a, b in zip(bounds[:-1], bounds[1:]) if b > a
+        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+        for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
     ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
     return out.transpose(1, 2).contiguous(), None
