@@ -6,8 +6,10 @@ NAMESPACE ?= default
 
 .PHONY: crds crds-install operator-run operator-test operator-test-cluster example-assets
 
-crds: install ## Regenerate crds/sftjob.io_sftjobs.yaml from the pydantic API models
+crds: install ## Regenerate the CRD from the pydantic API models, and the README's SFTJob/trainer references
 	$(PY) -m sftjob_operator.crd > crds/.sftjob.io_sftjobs.yaml.tmp && mv crds/.sftjob.io_sftjobs.yaml.tmp crds/sftjob.io_sftjobs.yaml
+	$(PY) demo/gen_reference.py --write README.md
+	$(PY) demo/gen_reference.py --trainer --write README.md
 
 crds-install: ## Apply the SFTJob CRD to the local cluster
 	@$(CLUSTER_ENV); kubectl apply --server-side -f crds/sftjob.io_sftjobs.yaml

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 def test_generated_reference_is_current(extra):
     proc = subprocess.run([sys.executable, "demo/gen_reference.py", *extra, "--check", "README.md"], cwd=ROOT,
                           capture_output=True, text=True)
-    assert proc.returncode == 0, f"README reference is stale; run python demo/gen_reference.py {' '.join(extra)} --write README.md\n{proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, f"README reference is stale; run make crds\n{proc.stdout}{proc.stderr}"
 
 
 def test_readme_starts_with_the_two_commands():
