@@ -14,13 +14,40 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 from .errors import EXIT_PREEMPTED
 
 _PERMANENT = ("InvalidConfig", "InvalidData")
+
+
+def master_addr(torchrun_args: list[str]) -> str | None:
+    for i, arg in enumerate(torchrun_args):
+        for flag in ("--master-addr", "--master_addr"):
+            if arg == flag and i + 1 < len(torchrun_args):
+                return torchrun_args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def wait_resolvable(host: str, timeout_s: float, interval_s: float = 1.0) -> bool:
+    """Wait until ``host`` resolves. A gang's pods start in any order, and a pod's DNS name
+    exists only once that pod runs; torchrun gives up at once on a name that does not
+    resolve yet, which would turn a normal start-up race into a failed rank."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.getaddrinfo(host, None)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(interval_s)
 
 
 def build_command(torchrun_args: list[str], trainer_args: list[str]) -> list[str]:
@@ -44,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     os.close(fd)
     env["SFTJOB_TERMINATION_LOG"] = worker_log
 
+    master = master_addr(torchrun_args)
+    if master and not wait_resolvable(master, float(env.get("SFTJOB_RENDEZVOUS_TIMEOUT_S", "300"))):
+        print(f"sftjob launch: {master} still does not resolve; starting torchrun anyway", file=sys.stderr)
     proc = subprocess.Popen(build_command(torchrun_args, trainer_args), env=env)
     stopped = []
 
