@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shutil
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -194,8 +195,6 @@ class LocalCheckpoints:
 
     def save(self, model, optimizer, state: TrainerState, final: bool = False) -> float:  # noqa: ARG002
         """Returns the seconds training was blocked."""
-        import time
-
         t0 = time.perf_counter()
         save(self.store, model, optimizer, state, self.rank, self.keep)
         return time.perf_counter() - t0

@@ -12,6 +12,7 @@ Three ideas keep this exact and light on memory:
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
 import json
@@ -23,6 +24,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyarrow import fs as pafs
 import torch
 
 from . import dist as dist_utils
@@ -56,15 +58,11 @@ def resolve_files(patterns: list[str]) -> list[str]:
     files: list[str] = []
     for pattern in patterns:
         fs, path = parquet_filesystem(pattern)
-        from pyarrow import fs as pafs
-
         prefix = "s3://" if is_s3(pattern) else ""
         if any(c in path for c in "*?["):
             if prefix:
                 base = path.split("*")[0].rsplit("/", 1)[0]
                 infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-                import fnmatch
-
                 found = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path))
             else:
                 found = sorted(glob.glob(path, recursive=True))

@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import time
-import time
 from pathlib import Path
 from typing import Any
 

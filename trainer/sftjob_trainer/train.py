@@ -6,7 +6,6 @@ import math
 import resource
 import signal
 import time
-from pathlib import Path
 
 import torch
 
