@@ -123,6 +123,17 @@ def test_directory_and_glob(tmp_path, tok):
     assert SFTDataset([str(tmp_path / "b*.parquet")], SampleBuilder(tok, cfg(["x"])), "t").rows.num_rows == 2
 
 
+def test_close_releases_files_and_reads_reopen_them(tmp_path, tok):
+    f = write(tmp_path, [{"prompt": "p", "response": "the kiwi ."}, {"prompt": "q", "response": "the fig ."}])
+    ds = SFTDataset([f], SampleBuilder(tok, cfg([f])), "t")
+    before = ds.sample(1)
+    handle = ds.rows._handles[0]
+    ds.close()
+    assert ds.rows._handles == {} and ds.rows._cache is None
+    assert handle.closed
+    assert ds.sample(1) == before  # a closed dataset still answers, by reopening
+
+
 def test_order_is_a_seeded_permutation(assets, tok):
     f = str(assets / "data" / "train.parquet")
     ds = SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=64)), "train")

@@ -127,5 +127,23 @@ def _fail(err: TrainerError) -> int:
     return err.exit_code
 
 
+def entrypoint() -> None:
+    """Console entry point: run, flush, and leave without interpreter teardown.
+
+    Everything a run produces (checkpoints, exports, metrics, the termination message) is
+    written and closed before ``main`` returns. What teardown would add is only risk: native
+    thread pools (Arrow, gloo) destroyed during finalization can abort a process whose work
+    succeeded, turning a finished job into a failed rank. ``os._exit`` skips that.
+    """
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entrypoint()

@@ -134,6 +134,20 @@ class ParquetRows:
         j = index - int(self.group_start[g])
         return {c: self._cache.column(c)[j].as_py() for c in self.columns}
 
+    def close(self) -> None:
+        """Drop the cached row group and the open files while Arrow is fully alive.
+
+        Arrow objects left for interpreter teardown can abort the process after a run
+        that succeeded (apache/arrow#34314); a finished rank releases them here instead.
+        """
+        self._cache, self._cache_key = None, None
+        handles, self._handles = self._handles, {}
+        for pf in handles.values():
+            try:
+                pf.close(force=True)
+            except Exception:  # noqa: BLE001 - closing is best effort; the data was already read
+                pass
+
     def fingerprint(self) -> str:
         """Identifies the data (files, sizes, row counts) so a resume can refuse other data."""
         desc = [(os.path.basename(f), n) for f, n in zip(self.files, self._rows_per_file())]
@@ -311,6 +325,9 @@ class SFTDataset:
 
     def fingerprint(self) -> str:
         return self.rows.fingerprint()
+
+    def close(self) -> None:
+        self.rows.close()
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         """The usable row indices of one epoch, in training order.

@@ -252,4 +252,7 @@ class Trainer:
 
     def close(self, linger_s: float = 0.0) -> None:
         self.checkpoints.wait(raise_errors=False)
+        for ds in (self.train_ds, self.val_ds):
+            if ds is not None:
+                ds.close()
         self.metrics.close(linger_s)
