@@ -141,3 +141,22 @@ def test_empty_file_and_wrong_type_under_torchrun(assets, tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": 1, "response": "a"}] * 8), typed)
     res = runner.run(runner.base_args(assets, out, **{"data.train_files": typed}), out, nproc=2)
     assert res.code == 2 and "must hold strings" in res.output
+
+
+def test_validation_with_fewer_rows_than_ranks(assets, tmp_path):
+    """One validation row and 2 ranks: the idle rank joins every FSDP forward (no hang) and
+    the loss is the single row's, the same as one process computes."""
+    import pyarrow.parquet as pq
+
+    val = tmp_path / "one.parquet"
+    pq.write_table(pq.read_table(assets / "data" / "val.parquet").slice(0, 1), val)
+    losses = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"p{nproc}"
+        args = runner.base_args(assets, out, **{"data.val_files": val, "trainer.total_training_steps": 2,
+                                                "data.micro_batch_size_per_gpu": 2})
+        res = runner.run(args, out, nproc=nproc, timeout=300)
+        assert res.code == 0, res.output
+        losses[nproc] = [r["val_loss"] for r in res.vals()]
+    assert losses[1] and len(losses[1]) == len(losses[2])
+    assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 1e-4, losses

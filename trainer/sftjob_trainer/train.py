@@ -218,13 +218,13 @@ class Trainer:
         self.model.eval()
         micro = self.cfg.data.micro_batch_size_per_gpu
         batches = list(eval_batches(self.val_ds, micro, self.world.rank, self.world.size, self.cfg.data.packing, self.pad_id))
-        # FSDP ranks must run the same number of forwards: pad with weight-0 repeats.
+        # FSDP ranks must run the same number of forwards: pad with weight-0 repeats. A rank
+        # with no rows of its own (fewer validation rows than ranks) repeats the first row.
         most = int(dist_utils.all_reduce_max(torch.tensor([len(batches)])).item())
+        filler = batches[-1] if batches else next(eval_batches(self.val_ds, 1, 0, 1, self.cfg.data.packing, self.pad_id))
         totals = torch.zeros(2, dtype=torch.float64)
         for i in range(most):
-            mb = batches[min(i, len(batches) - 1)] if batches else None
-            if mb is None:
-                continue
+            mb = batches[i] if i < len(batches) else filler
             ce = ce_sum(self.model, mb, self.world.device, self.cfg.trainer.precision)
             if i < len(batches):
                 totals += torch.tensor([ce.double().item(), mb.n_targets], dtype=torch.float64)
