@@ -222,3 +222,27 @@ def test_retention_never_leaves_zero_committed(minio, s3env):
     keys = minio.keys(BUCKET, "faults/keep/checkpoints/")
     assert [k for k in keys if k.endswith("COMMITTED")] == ["faults/keep/checkpoints/step-3/COMMITTED"]
     assert ck.resumable() == 3
+
+
+def test_stop_deadline_abandons_a_hung_upload_without_committing(minio, s3env, caplog):
+    """After SIGTERM the trainer must exit within its budget even when the store hangs
+    (here: MinIO frozen with SIGSTOP); the abandoned checkpoint never gets a marker."""
+    import signal
+
+    from sftjob_trainer.storage import UploadError
+
+    ck = checkpoints(f"s3://{BUCKET}/faults/hung", s3env, deadline_s=120.0)
+    model, opt = small_model()
+    ck.save(model, opt, state(1), final=True)
+    minio.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(UploadError, match="stop deadline"):
+            ck.save(model, opt, state(2), final=True, until=t0 + 3.0)
+        assert time.monotonic() - t0 < 6.0
+    finally:
+        minio.proc.send_signal(signal.SIGCONT)
+    time.sleep(2.0)  # the abandoned thread may wake up with the store: it must not commit
+    assert "checkpoint step-2 was NOT committed" in caplog.text
+    assert not any("step-2/COMMITTED" in k for k in minio.keys(BUCKET, "faults/hung/"))
+    assert ck.resumable() == 1

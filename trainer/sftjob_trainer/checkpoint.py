@@ -193,13 +193,14 @@ class LocalCheckpoints:
     def load(self, step: int, model, optimizer) -> TrainerState:
         return load(self.store, step, model, optimizer)
 
-    def save(self, model, optimizer, state: TrainerState, final: bool = False) -> float:  # noqa: ARG002
-        """Returns the seconds training was blocked."""
+    def save(self, model, optimizer, state: TrainerState, final: bool = False,  # noqa: ARG002
+             until: float | None = None) -> float:  # noqa: ARG002
+        """Returns the seconds training was blocked (saves here are synchronous)."""
         t0 = time.perf_counter()
         save(self.store, model, optimizer, state, self.rank, self.keep)
         return time.perf_counter() - t0
 
-    def wait(self, raise_errors: bool = True) -> int | None:  # noqa: ARG002
+    def wait(self, raise_errors: bool = True, until: float | None = None) -> int | None:  # noqa: ARG002
         """Step of the newest committed checkpoint (saves here are synchronous)."""
         return None
 

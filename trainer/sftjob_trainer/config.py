@@ -235,7 +235,8 @@ class TrainerConfig(_Section):
     stop_timeout_s: float = Field(
         default=120.0,
         gt=0,
-        description="Budget from SIGTERM to exit; must fit the pod's terminationGracePeriodSeconds.",
+        description="Budget from SIGTERM to exit; must fit the pod's terminationGracePeriodSeconds. A stop "
+        "checkpoint that cannot commit within it is abandoned (never resumed from) and the trainer still exits 143.",
     )
 
 

@@ -17,6 +17,7 @@ import shutil
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 from . import dist as dist_utils
@@ -86,13 +87,15 @@ class S3Checkpoints:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, model, optimizer, state: TrainerState, final: bool = False) -> float:
+    def save(self, model, optimizer, state: TrainerState, final: bool = False, until: float | None = None) -> float:
         """Write shards locally (blocking, collective), upload and commit in the background.
 
         Returns the seconds training was blocked. ``final`` waits for the commit and
-        raises when it failed.
+        raises when it failed. ``until`` (a ``time.monotonic()`` time, set after SIGTERM)
+        bounds everything: waiting for the upload still in flight, the retries of this one,
+        and the final wait.
         """
-        self.wait(raise_errors=False)
+        self.wait(raise_errors=False, until=until)
         t0 = time.perf_counter()
         d = self.local_root / f"rank-{self.rank}" / f"step-{state.step}"
         shutil.rmtree(d, ignore_errors=True)
@@ -101,11 +104,11 @@ class S3Checkpoints:
         if self.rank == 0:
             write_state(d, state)
         blocked = time.perf_counter() - t0
-        deadline = time.monotonic() + self.deadline_s
+        deadline = min(time.monotonic() + self.deadline_s, until if until is not None else float("inf"))
         self._pending = self._pool.submit(self._upload_and_commit, d, state.step, deadline)
         self._pending_step = state.step
         if final:
-            self.wait(raise_errors=True)
+            self.wait(raise_errors=True, until=until)
         return blocked
 
     def _upload_and_commit(self, d: Path, step: int, deadline: float) -> int:
@@ -150,14 +153,23 @@ class S3Checkpoints:
                 self.s3.delete_dir(f"checkpoints/step-{step}")
                 log.info("pruned %s/step-%d", self.where, step)
 
-    def wait(self, raise_errors: bool = True) -> int | None:
-        """Wait for the checkpoint in flight; returns its step when it committed."""
+    def wait(self, raise_errors: bool = True, until: float | None = None) -> int | None:
+        """Wait for the checkpoint in flight; returns its step when it committed.
+
+        With ``until``, an upload still running then is abandoned: it is not committed
+        (so never resumed from) and a fresh upload thread serves the next save.
+        """
         if self._pending is None:
             return None
         future, step = self._pending, self._pending_step
         self._pending = self._pending_step = None
         try:
-            future.result()
+            try:
+                future.result(timeout=None if until is None else max(0.0, until - time.monotonic()))
+            except FutureTimeout:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+                raise UploadError("upload still running at the stop deadline; abandoned") from None
             return step
         except Exception as err:  # noqa: BLE001
             log.error("checkpoint step-%s was NOT committed: %s", step, err)

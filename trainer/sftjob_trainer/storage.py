@@ -89,6 +89,8 @@ class S3Prefix:
         deadline = deadline or (time.monotonic() + self.deadline_s)
         delay = 0.5
         for attempt in range(1, self.attempts + 1):
+            if time.monotonic() > deadline:  # e.g. the stop deadline passed while this waited its turn
+                raise UploadError(f"{what}: deadline passed before attempt {attempt}")
             try:
                 return fn()
             except Exception as err:  # noqa: BLE001 - botocore raises many kinds

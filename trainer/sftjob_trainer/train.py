@@ -120,12 +120,14 @@ class Trainer:
         log.info("resumed from %s (epoch %d, cursor %d; saved by %d processes, now %d)", self.checkpoints.location(step),
                  saved.epoch, saved.cursor, saved.world_size, self.world.size)
 
-    def save(self, final: bool = False) -> None:
-        """Checkpoint the current step; ``final`` also waits until it is committed."""
+    def save(self, final: bool = False, until: float | None = None) -> None:
+        """Checkpoint the current step; ``final`` also waits until it is committed.
+
+        ``until`` (monotonic seconds) is the stop deadline after SIGTERM."""
         if self.state.step == self.last_committed:
-            self.checkpoints.wait(raise_errors=final)
+            self.checkpoints.wait(raise_errors=final, until=until)
             return  # never rewrite (and so briefly lose) a committed checkpoint
-        blocked = self.checkpoints.save(self.model, self.optimizer, self.state, final=final)
+        blocked = self.checkpoints.save(self.model, self.optimizer, self.state, final=final, until=until)
         self.last_committed = self.state.step
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
                  "" if final or not self.outputs.remote else " (uploading in the background)")
@@ -143,8 +145,7 @@ class Trainer:
                                   float(self.stop.requested)], dtype=torch.float64)
             n_targets, n_tokens, stops = dist_utils.all_reduce_sum(local).tolist()
             if stops:
-                self.save(final=True)
-                raise Preempted(f"checkpoint step-{self.state.step} committed")
+                raise Preempted(self._stop_checkpoint())
             self._train_step(micro_batches, n_targets, n_tokens)
             if cfg.save_freq and self.state.step % cfg.save_freq == 0:
                 self.save()
@@ -154,6 +155,23 @@ class Trainer:
         if self.val_ds is not None:
             self.validate()
         return self.export()
+
+    def _stop_checkpoint(self) -> str:
+        """Checkpoint after SIGTERM within trainer.stop_timeout_s; says what was kept.
+
+        A checkpoint that cannot commit in time is abandoned, never half-used: the next
+        start resumes from the newest committed one.
+        """
+        budget = self.cfg.trainer.stop_timeout_s
+        start = self.stop.at if self.stop.requested else time.monotonic()  # another rank was signalled
+        until = start + budget - min(10.0, 0.1 * budget)  # leave time to exit
+        try:
+            self.save(final=True, until=until)
+        except Exception as err:  # noqa: BLE001 - still a preemption: what was committed before stays
+            log.error("stop checkpoint step-%d NOT committed: %s", self.state.step, err)
+            return (f"checkpoint step-{self.state.step} not committed within trainer.stop_timeout_s={budget:g}s "
+                    f"({err}); resuming from the newest committed checkpoint")
+        return f"checkpoint step-{self.state.step} committed"
 
     def _train_step(self, micro_batches, n_targets: float, n_tokens: float) -> None:
         step = self.state.step
