@@ -90,6 +90,10 @@ def test_s3_run_equals_local_run_and_publishes_everything(minio, assets, tmp_pat
         assert f"runs/equal/{must}" in keys
     # keep_checkpoints=2: step-4 pruned after step-12 committed, step-8 kept.
     assert not any("/step-4/" in k for k in keys) and any("/step-8/COMMITTED" in k for k in keys)
+    # The adapter names the base model the user gave, not the node-local copy it was read from.
+    adapter_cfg = json.loads(minio.client().get_object(
+        Bucket=BUCKET, Key="runs/equal/hf/adapter/adapter_config.json")["Body"].read())
+    assert adapter_cfg["base_model_name_or_path"] == f"s3://{BUCKET}/models/tiny"
 
 
 def test_sigterm_resume_from_s3_is_exact_and_loses_at_most_one_step(minio, tmp_path):

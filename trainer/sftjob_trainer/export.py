@@ -6,6 +6,7 @@ chat template); LoRA runs also write ``hf/adapter`` (the PEFT adapter) and, unle
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -16,8 +17,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 log = logging.getLogger(__name__)
 
 
-def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, merge: bool, rank: int) -> Path | None:
-    """Collective (every rank joins the gather); rank 0 writes. Returns the final model dir."""
+def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, merge: bool, rank: int,
+           base_model_ref: str | None = None) -> Path | None:
+    """Collective (every rank joins the gather); rank 0 writes. Returns the final model dir.
+
+    ``base_model_path`` is where the base model lies on this node (maybe a cache of an
+    s3:// model); ``base_model_ref`` is what the user named, recorded in the adapter's
+    config so that it points at the real base model rather than at a node's cache.
+    """
     full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
@@ -30,6 +37,11 @@ def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, mer
     adapter = _fresh(out / "adapter")
     model.save_pretrained(adapter, state_dict=full_sd, safe_serialization=True)
     tokenizer.save_pretrained(adapter)
+    if base_model_ref:
+        cfg_path = adapter / "adapter_config.json"
+        adapter_cfg = json.loads(cfg_path.read_text())
+        adapter_cfg["base_model_name_or_path"] = base_model_ref
+        cfg_path.write_text(json.dumps(adapter_cfg, indent=2, sort_keys=True) + "\n")
     if not merge:
         return adapter
     # Merge on a clean copy of the base so the export never depends on the sharded

@@ -258,7 +258,7 @@ class Trainer:
         inner.config.use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
         export(self.model, self.tokenizer, self.output / "hf", self.model_path, lora, self.cfg.lora.merge_on_export,
-               self.world.rank)
+               self.world.rank, base_model_ref=str(self.cfg.model.path))
         if lora:
             self.outputs.publish_dir("hf/adapter")
         final = "hf/final" if (not lora or self.cfg.lora.merge_on_export) else "hf/adapter"
