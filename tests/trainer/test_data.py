@@ -134,6 +134,43 @@ def test_close_releases_files_and_reads_reopen_them(tmp_path, tok):
     assert ds.sample(1) == before  # a closed dataset still answers, by reopening
 
 
+class DictCache(dict):
+    def get(self, name):  # the ScanCache protocol
+        return dict.get(self, name)
+
+    def put(self, name, data):
+        self[name] = data
+
+
+def test_scan_cache_is_reused_until_data_or_settings_change(tmp_path, tok, monkeypatch):
+    rows = [{"prompt": f"p{i}", "response": "the kiwi is teal ." * (i % 3 + 1)} for i in range(10)]
+    f = write(tmp_path, rows)
+    cache = DictCache()
+    first = SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=12, truncation="right")), "t", cache=cache)
+    assert len(cache) == 1
+
+    def no_tokenizing(*_a, **_k):
+        raise AssertionError("the cached scan should have been used")
+
+    builder = SampleBuilder(tok, cfg([f], max_length=12, truncation="right"))
+    monkeypatch.setattr(builder, "build", no_tokenizing)
+    again = SFTDataset([f], builder, "t", cache=cache)
+    assert np.array_equal(again.lengths, first.lengths) and again.stats == first.stats
+    monkeypatch.undo()
+
+    # Other settings or rewritten data: a new key, scanned afresh.
+    SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=30)), "t", cache=cache)
+    assert len(cache) == 2
+    write(tmp_path, rows[:5] + rows[:5])
+    SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=12, truncation="right")), "t", cache=cache)
+    assert len(cache) == 3
+    # A damaged entry is ignored, not trusted.
+    for k in cache:
+        cache[k] = b"garbage"
+    fresh = SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=30)), "t", cache=cache)
+    assert fresh.stats.rows == 10
+
+
 def test_order_is_a_seeded_permutation(assets, tok):
     f = str(assets / "data" / "train.parquet")
     ds = SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=64)), "train")

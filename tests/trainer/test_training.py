@@ -78,6 +78,7 @@ def test_sigterm_then_rerun_resumes_exactly(assets, tmp_path):
     resumed = runner.run(args, out, nproc=2)
     assert resumed.code == 0, resumed.output
     assert f"resumed from {out / 'checkpoints' / f'step-{done[-1]}'}" in resumed.output
+    assert "train data: reusing the token-length scan" in resumed.output  # no re-tokenizing on restart
     got = {r["step"]: r["loss"] for r in resumed.steps()}  # the file holds both attempts; later wins
     want = {r["step"]: r["loss"] for r in ref.steps()}
     assert sorted(got) == list(range(1, 25))

@@ -15,11 +15,12 @@ from __future__ import annotations
 import fnmatch
 import glob
 import hashlib
+import io
 import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -148,6 +149,16 @@ class ParquetRows:
             except Exception:  # noqa: BLE001 - closing is best effort; the data was already read
                 pass
 
+    def identity(self) -> list[tuple[str, int, int]]:
+        """(path, size, mtime in ns) of every file: changes whenever a file is rewritten."""
+        out = []
+        for f in self.files:
+            fs, path = parquet_filesystem(f)
+            info = fs.get_file_info(path)
+            mtime = info.mtime_ns if info.mtime_ns is not None else -1
+            out.append((f, int(info.size or 0), int(mtime)))
+        return out
+
     def fingerprint(self) -> str:
         """Identifies the data (files, sizes, row counts) so a resume can refuse other data."""
         desc = [(os.path.basename(f), n) for f, n in zip(self.files, self._rows_per_file())]
@@ -175,6 +186,20 @@ class SampleBuilder:
         self.has_template = bool(getattr(tokenizer, "chat_template", None))
         if cfg.messages_key and not self.has_template:
             raise InvalidData("data.messages_key is set but the tokenizer has no chat_template")
+
+    def identity(self) -> dict[str, Any]:
+        """Everything that decides a row's token count: the tokenizer, its template and the
+        data settings that shape a sample."""
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        vocab = backend.to_str() if backend is not None else json.dumps(sorted(self.tok.get_vocab().items()))
+        return {
+            "tokenizer": hashlib.sha256(vocab.encode()).hexdigest(),
+            "chat_template": getattr(self.tok, "chat_template", None),
+            "eos": self.eos,
+            "bos": getattr(self.tok, "bos_token_id", None),
+            "settings": {k: getattr(self.cfg, k) for k in
+                         ("prompt_key", "response_key", "messages_key", "max_length", "truncation")},
+        }
 
     @property
     def columns(self) -> list[str]:
@@ -270,10 +295,40 @@ class ScanStats:
         )
 
 
+class ScanCache(Protocol):
+    """Where scans are kept between starts of one job (Outputs: next to its checkpoints)."""
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def put(self, name: str, data: bytes) -> None: ...
+
+
+def _encode_scan(lengths: np.ndarray, stats: ScanStats) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, lengths=lengths, stats=np.array([stats.rows, stats.usable, stats.truncated,
+                                                   stats.dropped_no_target], dtype=np.int64))
+    return buf.getvalue()
+
+
+def _decode_scan(data: bytes | None, rows: int) -> tuple[np.ndarray, ScanStats] | None:
+    if not data:
+        return None
+    try:
+        with np.load(io.BytesIO(data)) as z:
+            lengths, stats = z["lengths"].astype(np.int32), ScanStats(*(int(v) for v in z["stats"]))
+    except Exception as err:  # noqa: BLE001 - a damaged cache entry is only a missed shortcut
+        log.warning("ignoring an unreadable scan cache entry (%s)", err)
+        return None
+    if len(lengths) != rows or stats.rows != rows:
+        return None
+    return lengths, stats
+
+
 class SFTDataset:
     """Rows of parquet files, scanned once, each usable row a Sample on demand."""
 
-    def __init__(self, patterns: list[str], builder: SampleBuilder, name: str, rank: int = 0, world: int = 1):
+    def __init__(self, patterns: list[str], builder: SampleBuilder, name: str, rank: int = 0, world: int = 1,
+                 cache: ScanCache | None = None):
         self.name = name
         self._rank, self._world = rank, world
         self.builder = builder
@@ -281,7 +336,7 @@ class SFTDataset:
         self.rows = ParquetRows(files, builder.columns)
         if self.rows.num_rows == 0:
             raise InvalidData(f"{name} data ({', '.join(files)}) has no rows")
-        self.lengths, self.stats = self._scan()
+        self.lengths, self.stats = self._cached_scan(cache)
         self.valid = np.flatnonzero(self.lengths > 0)
         if len(self.valid) == 0:
             raise InvalidData(
@@ -289,6 +344,31 @@ class SFTDataset:
                 "(empty responses, or truncation removed every response token)"
             )
         log.info(self.stats.describe(name))
+
+    def _cached_scan(self, cache: ScanCache | None) -> tuple[np.ndarray, ScanStats]:
+        """The scan, or its saved result when nothing that decides it has changed.
+
+        A restart after preemption then skips re-tokenizing the whole dataset. The key
+        covers every file's size and modification time, the tokenizer and the data
+        settings; a stale or unreadable entry is simply scanned again.
+        """
+        if cache is None:
+            return self._scan()
+        key = None
+        if self._rank == 0:
+            ident = {"v": 1, "files": self.rows.identity(), "columns": self.rows.columns,
+                     "builder": self.builder.identity()}
+            key = f"scan-{self.name}-{hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]}.npz"
+        key = dist_utils.broadcast_object(key)
+        found = _decode_scan(cache.get(key), self.rows.num_rows) if self._rank == 0 else None
+        found = dist_utils.broadcast_object(found)
+        if found is not None:
+            log.info("%s data: reusing the token-length scan %s", self.name, key)
+            return found
+        lengths, stats = self._scan()
+        if self._rank == 0:
+            cache.put(key, _encode_scan(lengths, stats))
+        return lengths, stats
 
     def _scan(self) -> tuple[np.ndarray, ScanStats]:
         rank, size = self._rank, self._world

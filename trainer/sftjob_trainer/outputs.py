@@ -35,6 +35,31 @@ class Outputs:
     def location(self, rel: str) -> str:
         return f"{self.uri}/{rel}"
 
+    # The data scan cache (data.ScanCache): derived files under cache/, only ever a shortcut.
+
+    def get(self, name: str) -> bytes | None:
+        try:
+            if self.remote:
+                return self.s3.get_bytes(f"cache/{name}")
+            path = self.local / "cache" / name
+            return path.read_bytes() if path.exists() else None
+        except Exception as err:  # noqa: BLE001 - without the cache the scan just runs again
+            log.warning("cannot read cache/%s (%s); recomputing it", name, err)
+            return None
+
+    def put(self, name: str, data: bytes) -> None:
+        try:
+            if self.remote:
+                self.s3.put_bytes(f"cache/{name}", data)
+                return
+            path = self.local / "cache" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{name}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)  # never a half-written entry under the final name
+        except Exception as err:  # noqa: BLE001
+            log.warning("cannot write cache/%s (%s); the next start scans the data again", name, err)
+
     def restore_metrics(self) -> None:
         """Continue the remote metrics.jsonl after a restart instead of starting a new one."""
         if not (self.remote and self.rank == 0):

@@ -70,8 +70,9 @@ class Trainer:
             raise InvalidConfig(f"model.path {model_path}: cannot load a tokenizer ({err})") from None
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         builder = SampleBuilder(self.tokenizer, cfg.data)
-        self.train_ds = SFTDataset(cfg.data.train_files, builder, "train", world.rank, world.size)
-        self.val_ds = SFTDataset(cfg.data.val_files, builder, "val", world.rank, world.size) if cfg.data.val_files else None
+        self.train_ds = SFTDataset(cfg.data.train_files, builder, "train", world.rank, world.size, self.outputs)
+        self.val_ds = (SFTDataset(cfg.data.val_files, builder, "val", world.rank, world.size, self.outputs)
+                       if cfg.data.val_files else None)
         self.batches = GlobalBatches(self.train_ds, cfg.data, cfg.trainer.seed, world.rank, world.size, pad_id)
         self.pad_id = pad_id
         self.total_steps = cfg.trainer.total_training_steps or self.batches.steps_per_epoch * cfg.trainer.total_epochs
