@@ -16,6 +16,7 @@ from .errors import EXIT_PREEMPTED, InvalidConfig, TrainerError
 log = logging.getLogger("sftjob_trainer")
 
 _TERMINATION_DEFAULT = "/dev/termination-log"
+METRICS_LINGER_S = 8.0
 
 
 class _JsonFormatter(logging.Formatter):
@@ -94,6 +95,7 @@ def run(cfg) -> int:
     t0 = time.time()
     world = dist_utils.init_world()
     trainer = None
+    succeeded = False
     try:
         trainer = Trainer(cfg, world, stop)
         final = trainer.train()
@@ -102,6 +104,7 @@ def run(cfg) -> int:
             log.info("%s (%.0fs)", msg, time.time() - t0)
             print(f"model: {final}", flush=True)
             write_termination_message(msg)
+        succeeded = True
         return 0
     except Preempted as err:
         if world.is_main:
@@ -115,8 +118,10 @@ def run(cfg) -> int:
         return _fail(TrainerError(f"{type(err).__name__}: {err}"))
     finally:
         if trainer is not None:
-            # Long enough for one more Prometheus scrape of the final step and validation.
-            trainer.close(linger_s=5.0 if cfg.trainer.metrics_port and world.is_main else 0.0)
+            # After success, long enough for one more scrape of the final step and validation
+            # (the operator scrapes every 5 s); never after SIGTERM, whose budget is tight.
+            linger = METRICS_LINGER_S if succeeded and cfg.trainer.metrics_port and world.is_main else 0.0
+            trainer.close(linger_s=linger)
         dist_utils.close_world()
 
 
