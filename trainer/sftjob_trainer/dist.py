@@ -33,17 +33,22 @@ def init_world(timeout_s: float = 1800.0) -> World:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
     if size > 1 and not dist.is_initialized():
         dist.init_process_group(
-            backend=backend,
+            backend=backend_for(device),
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
     return World(rank=rank, local_rank=local_rank, size=size, device=device)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for the model's CUDA tensors, and gloo beside it for the small CPU tensors and
+    objects the trainer reduces (step counts, losses, the stop flag); NCCL alone would
+    refuse every CPU tensor. On CPU everything goes through gloo."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def close_world() -> None:
