@@ -161,3 +161,35 @@ def test_validation_with_fewer_rows_than_ranks(assets, tmp_path):
         losses[nproc] = [r["val_loss"] for r in res.vals()]
     assert losses[1] and len(losses[1]) == len(losses[2])
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 1e-4, losses
+
+
+def test_tied_qwen2_with_dynamic_rope_trains_the_same_on_2_ranks(assets, tmp_path):
+    """Rank 0 alone reads the weights; rank 1 builds on the meta device and receives its
+    shards and buffers. A tied-embedding Qwen2 with dynamic RoPE (non-persistent buffers,
+    a tensor attribute) must give the same per-step losses as one process."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(assets / "model")
+    model_dir = tmp_path / "qwen2"
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, initializer_range=0.1,
+                      rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(model_dir)
+    for f in (assets / "model").iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, model_dir / f.name)
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"p{nproc}"
+        args = runner.base_args(assets, out, **{"model.path": model_dir, "trainer.total_training_steps": 4,
+                                                "data.micro_batch_size_per_gpu": 2})
+        res = runner.run(args, out, nproc=nproc)
+        assert res.code == 0, res.output
+        runs[nproc] = [r["loss"] for r in res.steps()]
+    assert len(runs[1]) == 4
+    assert max(abs(a - b) for a, b in zip(runs[1], runs[2])) < 1e-5, runs

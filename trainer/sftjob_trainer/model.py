@@ -1,8 +1,9 @@
 """Model construction: from_pretrained, optional LoRA, the loss head, FSDP2 sharding.
 
 Each step is a small function taking only the config it needs, so the order
-(load → LoRA → loss head → activation checkpointing → shard) reads top to bottom in
-`build_model`.
+(load → LoRA → loss head → activation checkpointing → shard → fill from rank 0) reads
+top to bottom in `build_model`. With several processes only rank 0 reads the weights;
+the others build on the meta device and receive their shards.
 
 Two throughput pieces live here because they change how the model computes, not what:
 - ``sdpa_varlen`` attention: a packed row (several sequences, positions restarting) runs
@@ -147,18 +148,26 @@ def loss_head(model: nn.Module) -> LossHead | None:
 # --------------------------------------------------------------------------- building
 
 
-def load_model(cfg: ModelConfig, local_path: str, device: torch.device) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights: bool = True) -> nn.Module:
+    """The model with its pretrained weights in CPU memory, or (``weights=False``) the same
+    architecture on the meta device: no memory, filled later from rank 0."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     register_attention()
     attn = pick_attention(cfg, device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            local_path,
-            dtype=torch.float32,  # fp32 master weights; bf16 is an autocast choice
-            attn_implementation=attn,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(
+                local_path,
+                dtype=torch.float32,  # fp32 master weights; bf16 is an autocast choice
+                attn_implementation=attn,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        else:
+            config = AutoConfig.from_pretrained(local_path, trust_remote_code=cfg.trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn,
+                                                         trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise InvalidConfig(f"model.path {cfg.path}: cannot load a causal LM ({err})") from None
     # KV caching is for generation only; training never uses it.
@@ -219,13 +228,54 @@ def shard_model(model: nn.Module, world: World) -> nn.Module:
     return model
 
 
+def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> None:
+    """Fill a sharded model whose non-zero ranks are still on the meta device.
+
+    Parameters come from rank 0's full state dict, each rank keeping its shard; buffers
+    (persistent or not, e.g. rotary frequencies) are broadcast whole.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if world.rank != 0:
+        model.to_empty(device=world.device)
+    set_model_state_dict(model, full_sd if world.rank == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for _, buf in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+        dist.broadcast(buf, src=0)
+    # Rotary modules keep a copy of their frequencies as a plain attribute (for dynamic
+    # scaling); on meta-built ranks it is still a meta tensor.
+    for module in model.modules():
+        orig = getattr(module, "original_inv_freq", None)
+        if isinstance(orig, torch.Tensor) and orig.is_meta and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            module.original_inv_freq = module.inv_freq.clone()
+
+
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World) -> nn.Module:
-    model = load_model(model_cfg, local_path, world.device)
+    """Only rank 0 reads the weights; the other ranks build the model on the meta device and
+    receive their shards from rank 0 after sharding. A node's CPU memory then holds one
+    full copy of the model, not one per process (8 GPUs × a 70B model in fp32 would not fit)."""
+    from . import dist as dist_utils
+
+    model, error = None, None
+    try:
+        model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0)
+    except InvalidConfig as err:
+        error = str(err)
+    if world.size > 1:  # every rank fails the same way, not only the one that read the files
+        error = next((e for e in dist_utils.all_gather_objects(error) if e), None)
+    if error:
+        raise InvalidConfig(error)
     model = apply_lora(model, lora_cfg)
+    # Rank 0's weights (LoRA ones included) as full tensors; sharding keeps them alive.
+    full_sd = model.state_dict() if world.size > 1 and world.rank == 0 else None
     install_loss_head(model)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
     model = shard_model(model, world)
+    if world.size > 1:
+        load_from_rank0(model, full_sd, world)
+        del full_sd
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, %.2fM trainable", model_cfg.path, total / 1e6, trainable / 1e6)
