@@ -143,6 +143,16 @@ def test_empty_file_and_wrong_type_under_torchrun(assets, tmp_path):
     res = runner.run(runner.base_args(assets, out, **{"data.train_files": typed}), out, nproc=2)
     assert res.code == 2 and "must hold strings" in res.output
 
+    # Truncated weights: only rank 0 reads them, yet every rank fails with the reason.
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(assets / "model", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    res = runner.run(runner.base_args(assets, out, **{"model.path": broken}), out, nproc=2, timeout=300)
+    assert res.code == 2 and "cannot load a causal LM" in res.output, res.output
+
 
 def test_validation_with_fewer_rows_than_ranks(assets, tmp_path):
     """One validation row and 2 ranks: the idle rank joins every FSDP forward (no hang) and

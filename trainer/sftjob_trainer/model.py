@@ -262,6 +262,8 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
         model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0)
     except InvalidConfig as err:
         error = str(err)
+    except Exception as err:  # noqa: BLE001 - e.g. a truncated safetensors file: retrying cannot help
+        error = f"model.path {model_cfg.path}: cannot load a causal LM ({type(err).__name__}: {err})"
     if world.size > 1:  # every rank fails the same way, not only the one that read the files
         error = next((e for e in dist_utils.all_gather_objects(error) if e), None)
     if error:
