@@ -231,18 +231,31 @@ def shard_model(model: nn.Module, world: World) -> nn.Module:
 def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> None:
     """Fill a sharded model whose non-zero ranks are still on the meta device.
 
-    Parameters come from rank 0's full state dict, each rank keeping its shard; buffers
-    (persistent or not, e.g. rotary frequencies) are broadcast whole.
+    Parameters come from rank 0's full state dict (consumed as it goes), scattered so
+    that each rank receives only its shard; buffers (persistent or not, e.g. rotary
+    frequencies) are broadcast whole.
     """
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     if world.rank != 0:
         model.to_empty(device=world.device)
-    set_model_state_dict(model, full_sd if world.rank == 0 else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for _, buf in sorted(model.named_buffers(), key=lambda kv: kv[0]):
-        dist.broadcast(buf, src=0)
+    with torch.no_grad():
+        # One parameter at a time, so no rank ever holds more than one full tensor beyond
+        # its shards (torch's set_model_state_dict keeps every received tensor alive until
+        # it returns: a whole extra copy of the model per rank).
+        for name, param in model.named_parameters():
+            full = (full_sd.pop(name).to(world.device) if world.rank == 0
+                    else torch.empty(param.shape, dtype=param.dtype, device=world.device))
+            if isinstance(param, DTensor):
+                shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0)
+                param.to_local().copy_(shard.to_local())
+            else:
+                dist.broadcast(full, src=0)
+                param.copy_(full)
+            del full
+        for _, buf in sorted(model.named_buffers(), key=lambda kv: kv[0]):
+            dist.broadcast(buf, src=0)
     # Rotary modules keep a copy of their frequencies as a plain attribute (for dynamic
     # scaling); on meta-built ranks it is still a meta tensor.
     for module in model.modules():
