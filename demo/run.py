@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -635,10 +636,10 @@ def stage_metrics(ctx: Ctx) -> None:
     phases = prom.query('sftjob_operator_jobs > 0', at=end)
 
     sv = _by_attempt(steps)
-    # A fresh trainer serves loss 0 until its first step: only samples after a step count.
+    # A fresh trainer serves NaN until its first step: only samples after a step count.
     lv = sorted((t, v, sv.get((s["metric"].get("attempt"), float(t)), 0)) for s in loss for t, v in s["values"])
     lv = [(t, float(v), st) for t, v, st in lv if st > 0 and float(v) > 0]
-    tv = [v for _, v in _values(tps)]
+    tv = [v for _, v in _values(tps) if math.isfinite(v)]  # NaN until a rank's first step
     out.cmd(f"curl -s '{prom.url}/api/v1/query_range?query=sftjob_trainer_loss{{{sel}}}&...'")
     if lv:
         out.say(f"loss:      {lv[0][1]:.3f} at the start (step {int(lv[0][2])}) -> "
