@@ -165,9 +165,14 @@ def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights:
             )
         else:
             config = AutoConfig.from_pretrained(local_path, trust_remote_code=cfg.trust_remote_code)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn,
-                                                         trust_remote_code=cfg.trust_remote_code)
+            try:
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn,
+                                                             trust_remote_code=cfg.trust_remote_code)
+            except Exception as err:  # noqa: BLE001 - some remote code computes real values at init
+                log.warning("cannot build %s on the meta device (%s); reading the weights on this rank too",
+                            type(config).__name__, err)
+                return load_model(cfg, local_path, device, weights=True)
     except (OSError, ValueError) as err:
         raise InvalidConfig(f"model.path {cfg.path}: cannot load a causal LM ({err})") from None
     # KV caching is for generation only; training never uses it.
