@@ -250,3 +250,25 @@ def test_stop_deadline_abandons_a_hung_upload_without_committing(minio, s3env, c
     assert "checkpoint step-2 was NOT committed" in caplog.text
     assert not any("step-2/COMMITTED" in k for k in minio.keys(BUCKET, "faults/hung/"))
     assert ck.resumable() == 1
+
+
+def test_sigterm_is_not_stuck_behind_a_slow_upload(minio, s3env, caplog):
+    """A periodic save normally waits for the previous upload; after SIGTERM it must not,
+    or the stop checkpoint could start only after the grace period. The earlier upload
+    carries on and both still commit, in order."""
+    import signal
+
+    ck = checkpoints(f"s3://{BUCKET}/faults/slow", s3env, deadline_s=120.0)
+    model, opt = small_model()
+    minio.proc.send_signal(signal.SIGSTOP)
+    try:
+        ck.save(model, opt, state(1))  # its upload hangs in the background
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            ck.save(model, opt, state(2), stopping=lambda: True)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        minio.proc.send_signal(signal.SIGCONT)
+    assert "not waiting for checkpoint step-1" in caplog.text
+    assert ck.wait() == 2
+    assert ck.verify(2) is None and ck.resumable() == 2

@@ -194,7 +194,7 @@ class LocalCheckpoints:
         return load(self.store, step, model, optimizer)
 
     def save(self, model, optimizer, state: TrainerState, final: bool = False,  # noqa: ARG002
-             until: float | None = None) -> float:  # noqa: ARG002
+             until: float | None = None, stopping=None) -> float:  # noqa: ARG002
         """Returns the seconds training was blocked (saves here are synchronous)."""
         t0 = time.perf_counter()
         save(self.store, model, optimizer, state, self.rank, self.keep)

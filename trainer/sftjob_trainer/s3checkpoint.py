@@ -5,8 +5,9 @@ rank uploads its own files in a background thread (parallel, multipart, retried,
 deadline) and reports them in ``_ranks/rank-<r>.json``; rank 0 waits for every rank's
 report of this attempt, then writes ``manifest.json``, then the ``COMMITTED`` marker,
 then the ``checkpoints/latest`` pointer, in that order, and only then prunes older
-checkpoints. Resume reads ``latest``, verifies the manifest against the objects and falls
-back to the newest complete checkpoint. No collective runs in the background thread.
+checkpoints. Resume takes the newest checkpoint whose marker and manifest verify against
+the objects (``latest`` is only a pointer for people and tools). No collective runs in the
+background thread.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -62,12 +64,10 @@ class S3Checkpoints:
         return None
 
     def _find(self) -> int | None:
-        latest = (self.s3.get_text("checkpoints/latest") or "").strip()
-        order = self._committed_candidates()
-        if latest.isdigit() and int(latest) in order:
-            order.remove(int(latest))
-            order.insert(0, int(latest))
-        for step in order:
+        # The newest checkpoint that verifies, whatever `latest` says: `latest` is a pointer
+        # for people and tools, and an upload abandoned at a stop deadline could still move
+        # it back if its process lived on.
+        for step in self._committed_candidates():
             why = self.verify(step)
             if why is None:
                 return step
@@ -87,15 +87,18 @@ class S3Checkpoints:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, model, optimizer, state: TrainerState, final: bool = False, until: float | None = None) -> float:
+    def save(self, model, optimizer, state: TrainerState, final: bool = False, until: float | None = None,
+             stopping: Callable[[], bool] | None = None) -> float:
         """Write shards locally (blocking, collective), upload and commit in the background.
 
         Returns the seconds training was blocked. ``final`` waits for the commit and
         raises when it failed. ``until`` (a ``time.monotonic()`` time, set after SIGTERM)
         bounds everything: waiting for the upload still in flight, the retries of this one,
-        and the final wait.
+        and the final wait. ``stopping`` ends the wait for the upload in flight early (a
+        SIGTERM arrived): that upload carries on, queued ahead of this one, and the stop
+        checkpoint's bounded wait then covers both.
         """
-        self.wait(raise_errors=False, until=until)
+        self.wait(raise_errors=False, until=until, stopping=stopping)
         t0 = time.perf_counter()
         d = self.local_root / f"rank-{self.rank}" / f"step-{state.step}"
         shutil.rmtree(d, ignore_errors=True)
@@ -153,16 +156,26 @@ class S3Checkpoints:
                 self.s3.delete_dir(f"checkpoints/step-{step}")
                 log.info("pruned %s/step-%d", self.where, step)
 
-    def wait(self, raise_errors: bool = True, until: float | None = None) -> int | None:
+    def wait(self, raise_errors: bool = True, until: float | None = None,
+             stopping: Callable[[], bool] | None = None) -> int | None:
         """Wait for the checkpoint in flight; returns its step when it committed.
 
         With ``until``, an upload still running then is abandoned: it is not committed
-        (so never resumed from) and a fresh upload thread serves the next save.
+        (so never resumed from) and a fresh upload thread serves the next save. When
+        ``stopping()`` turns true, waiting ends but the upload goes on; its outcome is
+        logged when it ends.
         """
         if self._pending is None:
             return None
         future, step = self._pending, self._pending_step
         self._pending = self._pending_step = None
+        if stopping is not None and until is None:
+            while not future.done():
+                if stopping():
+                    future.add_done_callback(lambda f, s=step: self._log_outcome(f, s))
+                    log.warning("stopping: not waiting for checkpoint step-%s to finish uploading", step)
+                    return None
+                time.sleep(0.2)
         try:
             try:
                 future.result(timeout=None if until is None else max(0.0, until - time.monotonic()))
@@ -176,6 +189,12 @@ class S3Checkpoints:
             if raise_errors:
                 raise
             return None
+
+    @staticmethod
+    def _log_outcome(future: Future, step: int) -> None:
+        err = future.exception()
+        if err is not None:
+            log.error("checkpoint step-%s was NOT committed: %s", step, err)
 
     def location(self, step: int) -> str:
         return f"{self.where}/step-{step}"

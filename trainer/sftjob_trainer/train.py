@@ -128,7 +128,8 @@ class Trainer:
         if self.state.step == self.last_committed:
             self.checkpoints.wait(raise_errors=final, until=until)
             return  # never rewrite (and so briefly lose) a committed checkpoint
-        blocked = self.checkpoints.save(self.model, self.optimizer, self.state, final=final, until=until)
+        blocked = self.checkpoints.save(self.model, self.optimizer, self.state, final=final, until=until,
+                                        stopping=lambda: self.stop.requested)
         self.last_committed = self.state.step
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
                  "" if final or not self.outputs.remote else " (uploading in the background)")
