@@ -1,9 +1,6 @@
 """End-to-end trainer runs: real processes, torchrun + gloo for 2 ranks."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -114,7 +111,6 @@ def test_accumulation_and_world_size_invariance(assets, tmp_path):
 def test_bad_inputs_exit_2_with_reason(assets, tmp_path, over, reason, needle):
     out = tmp_path / "out"
     tlog = tmp_path / "termination-log"
-    import os
     import subprocess
     import sys
 
