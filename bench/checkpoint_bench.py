@@ -12,7 +12,6 @@ For an s3:// output the AWS_* variables must point at the store (e.g. `source .c
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import signal
 import subprocess
