@@ -92,6 +92,17 @@ def _alive(pid: int | None, marker: str) -> bool:
     return marker in cmdline
 
 
+def _running(pid: int | None) -> bool:
+    """True while pid exists and is not a zombie, whatever its command line says."""
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
 def _marker(cfg: C.ClusterConfig, name: str) -> str:
     # Every component's command line names the state directory, so the marker both identifies
     # the component and tells two clusters apart.
@@ -228,7 +239,10 @@ def _wait(cfg: C.ClusterConfig, name: str, timeout: float = 120) -> None:
     while time.time() < deadline:
         if _healthy(cfg, name):
             return
-        if not _alive(_pid(cfg, name), _marker(cfg, name)):
+        pid = _pid(cfg, name)
+        # Just after the start the process may be between fork and exec, or mid-exec, and
+        # show another (or an empty) command line: only a process that is gone ends the wait.
+        if not _alive(pid, _marker(cfg, name)) and not _running(pid):
             break
         time.sleep(0.5)
     tail = ""
