@@ -97,8 +97,8 @@ class LocalCheckpointDir:
         files = {
             str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file() and p.name != MARKER
         }
-        _atomic_write(d / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-        _atomic_write(d / MARKER, f"{step}\n")
+        atomic_write(d / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
+        atomic_write(d / MARKER, f"{step}\n")
 
     def prune(self, keep: int) -> list[int]:
         """Delete committed checkpoints beyond the newest ``keep`` and stale partial ones."""
@@ -112,10 +112,11 @@ class LocalCheckpointDir:
         return sorted(doomed)
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never a part."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
+    with open(tmp, "wb") as fh:
+        fh.write(data.encode() if isinstance(data, str) else data)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -164,7 +165,7 @@ def write_shards(d: Path, model, optimizer) -> None:
 
 
 def write_state(d: Path, state: TrainerState) -> None:
-    _atomic_write(d / STATE, json.dumps(asdict(state), indent=1))
+    atomic_write(d / STATE, json.dumps(asdict(state), indent=1))
 
 
 def load_dir(d: Path, model, optimizer) -> TrainerState:

@@ -354,16 +354,16 @@ class SFTDataset:
         """
         if cache is None:
             return self._scan()
-        key = None
-        if self._rank == 0:
+        key, found = None, None
+        if self._rank == 0:  # rank 0 alone reads and writes the cache; the others get its answer
             ident = {"v": 1, "files": self.rows.identity(), "columns": self.rows.columns,
                      "builder": self.builder.identity()}
             key = f"scan-{self.name}-{hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]}.npz"
-        key = dist_utils.broadcast_object(key)
-        found = _decode_scan(cache.get(key), self.rows.num_rows) if self._rank == 0 else None
+            found = _decode_scan(cache.get(key), self.rows.num_rows)
+            if found is not None:
+                log.info("%s data: reusing the token-length scan %s", self.name, key)
         found = dist_utils.broadcast_object(found)
         if found is not None:
-            log.info("%s data: reusing the token-length scan %s", self.name, key)
             return found
         lengths, stats = self._scan()
         if self._rank == 0:

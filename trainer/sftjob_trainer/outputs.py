@@ -10,7 +10,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from .checkpoint import LocalCheckpoints
+from .checkpoint import LocalCheckpoints, atomic_write
 from .storage import S3Prefix, is_s3, local_root
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,7 @@ class Outputs:
                 return
             path = self.local / "cache" / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{name}.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)  # never a half-written entry under the final name
+            atomic_write(path, data)
         except Exception as err:  # noqa: BLE001
             log.warning("cannot write cache/%s (%s); the next start scans the data again", name, err)
 

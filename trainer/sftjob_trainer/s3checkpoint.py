@@ -160,10 +160,10 @@ class S3Checkpoints:
              stopping: Callable[[], bool] | None = None) -> int | None:
         """Wait for the checkpoint in flight; returns its step when it committed.
 
-        With ``until``, an upload still running then is abandoned: it is not committed
-        (so never resumed from) and a fresh upload thread serves the next save. When
-        ``stopping()`` turns true, waiting ends but the upload goes on; its outcome is
-        logged when it ends.
+        ``until``: stop waiting then and abandon the upload (a fresh thread serves the next
+        save). An upload whose own deadline is ``until`` (the stop checkpoint) starts no
+        write after it, so it cannot commit later. ``stopping()`` turning true ends the wait
+        but lets the upload go on; a failure is still logged when it ends.
         """
         if self._pending is None:
             return None
@@ -172,29 +172,27 @@ class S3Checkpoints:
         if stopping is not None and until is None:
             while not future.done():
                 if stopping():
-                    future.add_done_callback(lambda f, s=step: self._log_outcome(f, s))
                     log.warning("stopping: not waiting for checkpoint step-%s to finish uploading", step)
+                    future.add_done_callback(lambda f: f.exception() and self._not_committed(step, f.exception()))
                     return None
                 time.sleep(0.2)
         try:
-            try:
-                future.result(timeout=None if until is None else max(0.0, until - time.monotonic()))
-            except FutureTimeout:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
-                raise UploadError("upload still running at the stop deadline; abandoned") from None
+            future.result(timeout=None if until is None else max(0.0, until - time.monotonic()))
             return step
-        except Exception as err:  # noqa: BLE001
-            log.error("checkpoint step-%s was NOT committed: %s", step, err)
-            if raise_errors:
-                raise
-            return None
+        except FutureTimeout:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+            err: Exception = UploadError("upload still running at the stop deadline; abandoned")
+        except Exception as e:  # noqa: BLE001 - whatever the upload raised
+            err = e
+        self._not_committed(step, err)
+        if raise_errors:
+            raise err
+        return None
 
     @staticmethod
-    def _log_outcome(future: Future, step: int) -> None:
-        err = future.exception()
-        if err is not None:
-            log.error("checkpoint step-%s was NOT committed: %s", step, err)
+    def _not_committed(step: int, err: BaseException) -> None:
+        log.error("checkpoint step-%s was NOT committed: %s", step, err)
 
     def location(self, step: int) -> str:
         return f"{self.where}/step-{step}"
