@@ -171,8 +171,9 @@ def test_validation_with_fewer_rows_than_ranks(assets, tmp_path):
 
 def test_tied_qwen2_with_dynamic_rope_trains_the_same_on_2_ranks(assets, tmp_path):
     """Rank 0 alone reads the weights; rank 1 builds on the meta device and receives its
-    shards and buffers. A tied-embedding Qwen2 with dynamic RoPE (non-persistent buffers,
-    a tensor attribute) must give the same per-step losses as one process."""
+    shards and buffers. A tied-embedding Qwen2 with dynamic RoPE must give the same per-step
+    losses as one process (without the buffer broadcast, rank 1's rotary frequencies are
+    uninitialised memory and the losses come out NaN)."""
     import shutil
 
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM

@@ -261,12 +261,6 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> Non
             del full
         for _, buf in sorted(model.named_buffers(), key=lambda kv: kv[0]):
             dist.broadcast(buf, src=0)
-    # Rotary modules keep a copy of their frequencies as a plain attribute (for dynamic
-    # scaling); on meta-built ranks it is still a meta tensor.
-    for module in model.modules():
-        orig = getattr(module, "original_inv_freq", None)
-        if isinstance(orig, torch.Tensor) and orig.is_meta and isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-            module.original_inv_freq = module.inv_freq.clone()
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World) -> nn.Module:
