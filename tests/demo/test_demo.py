@@ -31,10 +31,8 @@ STEPS = int(os.environ.get("DEMO_TEST_STEPS", "8"))
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-# Queries that cannot return data on a healthy run until the metric is initialised; each
-# names the change that makes it pass (then it shows as XPASS: remove the entry).
-# Queries allowed to return nothing on a healthy run (title / refId -> why). None today:
-# series that exist only after a failure carry `or on() vector(0)`.
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
