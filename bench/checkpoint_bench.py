@@ -25,22 +25,18 @@ COMMITTED = re.compile(r"checkpoint .*step-(\d+) committed \(\d+ files, upload (
 
 
 def make_model(out: Path, params_m: int, assets: Path) -> None:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """The assets' Llama shape (assets.make_model), widened and deepened to ~params_m million."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sftjob_trainer.assets import make_model as make_llama
 
     tok = AutoTokenizer.from_pretrained(assets / "model")
     hidden = 1024 if params_m >= 200 else 256
-    per_layer = 12 * hidden * hidden  # attention 4h² + MLP 8h² (intermediate 2.67h, gated)
+    per_layer = 9 * hidden * hidden  # attention 3h² (2 of 4 heads for K/V) + gated MLP 6h² (intermediate 2h)
     layers = max(1, round(params_m * 1e6 / per_layer))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=int(hidden * 8 / 3),
-                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-                      max_position_embeddings=512, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        n = sum(p.numel() for p in LlamaForCausalLM(cfg).parameters())
-    model = LlamaForCausalLM(cfg)
-    model.save_pretrained(out)
+    make_llama(out, tok, seed=0, hidden=hidden, layers=layers)
     tok.save_pretrained(out)
+    n = AutoModelForCausalLM.from_pretrained(out).num_parameters()
     print(f"model: {layers} layers x hidden {hidden}: {n / 1e6:.0f}M parameters")
 
 
