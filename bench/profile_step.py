@@ -6,7 +6,8 @@ batch schedule, ce_sum, clip, fused AdamW) on the bench data and model made by b
 profiles --steps optimizer steps after one warm-up step and prints the top operators by self
 CPU time plus a coarse breakdown (matmuls, attention, loss head, optimizer, the rest).
 
-Usage: python bench/profile_step.py [--precision fp32|bf16] [--steps 2] [--work .bench]
+Usage: python bench/profile_step.py [--precision fp32|bf16] [--cpu-bf16-gemm auto|native|widened]
+                                    [--steps 2] [--work .bench]
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ GROUPS = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--cpu-bf16-gemm", default="auto", choices=["auto", "native", "widened"])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench")
     ap.add_argument("--rows", type=int, default=20)
@@ -41,6 +43,7 @@ def main() -> None:
     from sftjob_trainer.loss import ce_sum
     from sftjob_trainer.model import build_model
     from sftjob_trainer.optim import build_optimizer
+    from sftjob_trainer.precision import use_widened_bf16
 
     model_dir, data = str(args.work / "model"), str(args.work / "data" / "train.parquet")
     world = World(0, 0, 1, torch.device("cpu"))
@@ -48,7 +51,8 @@ def main() -> None:
                      packing=True, shuffle=False)
     tok = AutoTokenizer.from_pretrained(model_dir)
     batches = GlobalBatches(SFTDataset([data], SampleBuilder(tok, cfg), "bench"), cfg, 0, 0, 1, tok.pad_token_id)
-    model = build_model(ModelConfig(path=model_dir), LoraConfig(), model_dir, world)
+    widen = use_widened_bf16(world.device, args.precision, args.cpu_bf16_gemm)
+    model = build_model(ModelConfig(path=model_dir), LoraConfig(), model_dir, world, widen_bf16=widen)
     opt = build_optimizer(model.parameters(), OptimConfig(lr=1e-4, betas=(0.9, 0.999)), fused=True)
 
     def step(k: int) -> None:

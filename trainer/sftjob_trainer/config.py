@@ -209,6 +209,13 @@ class TrainerConfig(_Section):
         default="fp32",
         description="Compute precision: bf16 autocast keeps fp32 master weights and optimizer state.",
     )
+    cpu_bf16_gemm: Literal["auto", "native", "widened"] = Field(
+        default="auto",
+        description="How bf16 matrix products run on a CPU: native (oneDNN bf16 GEMM), widened (bf16 operands "
+        "converted exactly to fp32, fp32 GEMM, result rounded to bf16: the same arithmetic at fp32 GEMM speed), "
+        "auto (widened on CPUs without AVX512-BF16/AMX, where native bf16 is emulated and several times slower). "
+        "Ignored on GPUs and with precision fp32.",
+    )
     metrics_port: int = Field(
         default=0,
         ge=0,

@@ -18,51 +18,32 @@ Packed rows carry ``cu_seq_lens`` so that flash-attention varlen (GPU) and our
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from .data import IGNORE, MicroBatch
-
-log = logging.getLogger(__name__)
+from .precision import autocast_for, gemm
 
 # Elements of one fp32 logits chunk (32 MiB): big enough for efficient matmuls, small next
 # to the activations of a micro-batch.
 CHUNK_ELEMENTS = 1 << 23
 
 
-def autocast_for(device: torch.device, precision: str):
-    if precision == "bf16":
-        _warn_if_slow_bf16(device)
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-@functools.cache
-def _warn_if_slow_bf16(device: torch.device) -> None:
-    # bf16 autocast pays off on CPUs with native bf16 dot products (AVX512-BF16, AMX); without
-    # them oneDNN emulates bf16 and a run is several times slower than fp32.
-    if device.type != "cpu":
-        return
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return
-    if "avx512_bf16" not in flags and "amx_bf16" not in flags:
-        log.warning("trainer.precision=bf16 on a CPU without native bf16 support: fp32 is faster here")
-
-
 def chunk_rows(vocab: int) -> int:
     return max(64, CHUNK_ELEMENTS // max(vocab, 1))
 
 
-def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool):
-    """(CE sum, d/d hidden, d/d weight) of the rows of ``hidden``, one chunk of logits at a time."""
+def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool, widen: bool = False):
+    """(CE sum, d/d hidden, d/d weight) of the rows of ``hidden``, one chunk of logits at a time.
+
+    ``widen``: bf16 products run as widened fp32 GEMMs (precision.py); the head's weight is
+    rounded to bf16 and widened once, not per chunk."""
+    widen = widen and dtype == torch.bfloat16
+    mm = gemm if widen else torch.mm
     n, vocab = hidden.shape[0], weight.shape[0]
-    w = weight.to(dtype)
+    w = weight.to(dtype).float() if widen else weight.to(dtype)
     grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -71,7 +52,7 @@ def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool):
         for a in range(0, n, step):
             h = hidden[a : a + step].to(dtype)
             t = targets[a : a + step]
-            logits = (h @ w.t()).float()
+            logits = mm(h, w.t()).float()
             lse = torch.logsumexp(logits, dim=-1)
             total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
             if not (need_h or need_w):
@@ -79,13 +60,15 @@ def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool):
             probs = logits.sub_(lse[:, None]).exp_()  # softmax, reusing the logits buffer
             probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
             g = probs.to(dtype)
-            if need_h:
+            if need_h and mm is torch.mm:
                 torch.mm(g, w, out=grad_h[a : a + step])
+            elif need_h:
+                grad_h[a : a + step] = mm(g, w)
             if need_w:
                 if dtype == torch.float32:
                     grad_w.addmm_(g.t(), h)
                 else:
-                    grad_w += (g.t() @ h).float()
+                    grad_w += mm(g.t(), h).float()
     return total, grad_h, grad_w
 
 
@@ -93,8 +76,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(hidden_i · weightᵀ, target_i); its gradients are formed in forward, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, dtype):
-        total, grad_h, grad_w = _chunked(hidden, weight, targets, dtype, *ctx.needs_input_grad[:2])
+    def forward(ctx, hidden, weight, targets, dtype, widen):
+        total, grad_h, grad_w = _chunked(hidden, weight, targets, dtype, *ctx.needs_input_grad[:2], widen)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
@@ -104,13 +87,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = None if grad_h is None else (grad_h * grad_out).to(ctx.dtypes[0])
         gw = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[1])
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
-def linear_ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                  widen: bool = False) -> torch.Tensor:
     """Summed CE of ``hidden @ weightᵀ`` against ``targets`` (IGNORE entries skipped), chunked.
 
-    Matmuls run in the autocast dtype when autocast is on, the softmax/log-sum-exp in fp32.
+    Matmuls run in the autocast dtype when autocast is on (widened to fp32 GEMMs if
+    ``widen``), the softmax/log-sum-exp in fp32.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1).to(hidden.device)
@@ -120,8 +105,8 @@ def linear_ce_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-        return _chunked(hidden, weight, targets, dtype, False, False)[0]
-    return _LinearCrossEntropy.apply(hidden, weight, targets, dtype)
+        return _chunked(hidden, weight, targets, dtype, False, False, widen)[0]
+    return _LinearCrossEntropy.apply(hidden, weight, targets, dtype, widen)
 
 
 def chunked_ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

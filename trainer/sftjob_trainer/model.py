@@ -5,7 +5,7 @@ Each step is a small function taking only the config it needs, so the order
 top to bottom in `build_model`. With several processes only rank 0 reads the weights;
 the others build on the meta device and receive their shards.
 
-Two throughput pieces live here because they change how the model computes, not what:
+Three throughput pieces live here because they change how the model computes, not what:
 - ``sdpa_varlen`` attention: a packed row (several sequences, positions restarting) runs
   causal sdpa once per sequence instead of one dense block-diagonal mask over the whole
   row, so no attention FLOPs are spent on blocks that are masked out anyway.
@@ -13,6 +13,9 @@ Two throughput pieces live here because they change how the model computes, not 
   cross-entropy of its targets instead of logits, computed in vocabulary chunks so that
   ``[tokens, vocab]`` logits never exist at once (see `loss.py`). It stays inside the
   model's forward, so FSDP2 has the head's weight gathered while it runs.
+- `widen_bf16_gemms`: on CPUs without native bf16, the bf16 autocast products of the linear
+  layers, the head and the attention run as fp32 GEMMs of the exactly widened operands
+  (precision.py).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from torch import nn
 from .config import LoraConfig, ModelConfig
 from .dist import World
 from .errors import InvalidConfig
+from .precision import BF16, WidenedBf16Linear, bf16_autocast_on, widened_linear, widened_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +68,12 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     bounds = sequence_bounds(kwargs)
     sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     gqa = query.shape[1] != key.shape[1]
+    widen = getattr(module, "widen_bf16", False) and (query.dtype == BF16 or bf16_autocast_on(query.device))
+    sdpa = widened_sdpa if widen else F.scaled_dot_product_attention
     # split, not slicing: the backward of a split is one cat, while every slice's backward
     # would zero-fill and add a full-size gradient (a cost growing with sequences per row).
     parts = [
-        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+        sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
         for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
     ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
@@ -110,6 +116,7 @@ class LossHead(nn.Linear):
     """
 
     targets: torch.Tensor | None = None
+    widen_bf16: bool = False
 
     @contextlib.contextmanager
     def computing_loss(self, targets: torch.Tensor):
@@ -121,10 +128,10 @@ class LossHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.targets is None:
-            return super().forward(hidden)
+            return widened_linear(hidden, self.weight, self.bias) if self.widen_bf16 else super().forward(hidden)
         from .loss import linear_ce_sum
 
-        return linear_ce_sum(hidden, self.weight, self.targets)
+        return linear_ce_sum(hidden, self.weight, self.targets, self.widen_bf16)
 
 
 def install_loss_head(model: nn.Module) -> bool:
@@ -143,6 +150,20 @@ def loss_head(model: nn.Module) -> LossHead | None:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     return head if isinstance(head, LossHead) else None
+
+
+def widen_bf16_gemms(model: nn.Module) -> int:
+    """Make every bf16 autocast product of ``model`` a widened fp32 GEMM (precision.py).
+
+    Plain linear layers (LoRA's included) become `WidenedBf16Linear`, the loss head and the
+    ``sdpa_varlen`` attention read the ``widen_bf16`` flag. Returns the layers changed."""
+    n = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = WidenedBf16Linear
+            n += 1
+        module.widen_bf16 = True
+    return n
 
 
 # --------------------------------------------------------------------------- building
@@ -263,7 +284,8 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> Non
             dist.broadcast(buf, src=0)
 
 
-def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World) -> nn.Module:
+def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World,
+                widen_bf16: bool = False) -> nn.Module:
     """Only rank 0 reads the weights; the other ranks build the model on the meta device and
     receive their shards from rank 0 after sharding. A node's CPU memory then holds one
     full copy of the model, not one per process (8 GPUs × a 70B model in fp32 would not fit)."""
@@ -284,6 +306,8 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
     # Rank 0's weights (LoRA ones included) as full tensors; sharding keeps them alive.
     full_sd = model.state_dict() if world.size > 1 and world.rank == 0 else None
     install_loss_head(model)
+    if widen_bf16:
+        widen_bf16_gemms(model)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
     model = shard_model(model, world)

@@ -21,6 +21,7 @@ from .metrics import Metrics, step_flops
 from .model import attention_dims, build_model, matmul_params
 from .optim import build_optimizer, set_lr
 from .outputs import Outputs
+from .precision import use_widened_bf16
 from .storage import local_model_path
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps or self.batches.steps_per_epoch * cfg.trainer.total_epochs
 
         torch.manual_seed(cfg.trainer.seed)
-        self.model = build_model(cfg.model, cfg.lora, model_path, world)
+        widen = use_widened_bf16(world.device, cfg.trainer.precision, cfg.trainer.cpu_bf16_gemm)
+        self.model = build_model(cfg.model, cfg.lora, model_path, world, widen_bf16=widen)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=world.size == 1)
         self.n_matmul = matmul_params(self.model)
         self.n_layers, self.d_attn = attention_dims(self.model)
