@@ -214,3 +214,25 @@ def test_packed_loss_equals_padded(assets, tok):
         a = ce_sum(model, padded, torch.device("cpu"), "fp32").item()
         b = ce_sum(model, packed, torch.device("cpu"), "fp32").item()
     assert abs(a - b) / padded.n_targets < 1e-4
+
+
+def test_scan_reads_only_the_row_groups_of_its_block(tmp_path, tok, monkeypatch):
+    """Rank 1 of 2 tokenizes and reads the second half of the rows only; the gathered scan is the 1-rank scan."""
+    import sftjob_trainer.data as data
+
+    rows = [{"prompt": f"p{i}", "response": "the kiwi is teal ." * (i % 4)} for i in range(64)]
+    f = str(tmp_path / "groups.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), f, row_group_size=8)
+    c = cfg([f], max_length=12, truncation="right")
+    whole = SFTDataset([f], SampleBuilder(tok, c), "t")
+    assert whole.stats.truncated > 0 and len(set(whole.lengths.tolist())) > 2
+
+    reads = []
+    real_read = pq.ParquetFile.read_row_group
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, **kw: reads.append(i) or real_read(self, i, **kw))
+    # the other rank's answer, as all_gather would bring it: the first half of the rows
+    first_half = (whole.lengths[:32], 0, None)
+    monkeypatch.setattr(data.dist_utils, "all_gather_objects", lambda own: [first_half, (own[0], whole.stats.truncated, own[2])])
+    second = SFTDataset([f], SampleBuilder(tok, c), "t", rank=1, world=2)
+    assert sorted(set(reads)) == [4, 5, 6, 7]
+    assert np.array_equal(second.lengths, whole.lengths) and second.stats == whole.stats

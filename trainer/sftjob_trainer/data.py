@@ -2,7 +2,7 @@
 
 Three ideas keep this exact and light on memory:
 - Parquet is read one row group at a time (never a whole file), only the needed columns.
-- At start-up every rank tokenizes its share of the rows once to learn which rows are
+- At start-up every rank tokenizes its block of the rows once to learn which rows are
   usable and how long they are; the small table of lengths is shared by all ranks. It
   gives the truncation/drop statistics up front and lets dropped rows leave the index
   space, so the sample order is a pure function of (seed, epoch).
@@ -372,7 +372,9 @@ class SFTDataset:
 
     def _scan(self) -> tuple[np.ndarray, ScanStats]:
         rank, size = self._rank, self._world
-        mine = range(rank, self.rows.num_rows, size)
+        # A contiguous block of rows per rank: each rank reads (from S3, decompresses) only
+        # the row groups of its block, not every row group for a strided share.
+        mine = range(self.rows.num_rows * rank // size, self.rows.num_rows * (rank + 1) // size)
         lengths = np.zeros(len(mine), dtype=np.int32)
         truncated = 0
         error = None
@@ -387,9 +389,8 @@ class SFTDataset:
         errors = [e for _, _, e in gathered if e]
         if errors:
             raise InvalidData(errors[0])
-        full = np.zeros(self.rows.num_rows, dtype=np.int32)
-        for r, (part, _, _) in enumerate(gathered):
-            full[r::size] = part
+        full = np.concatenate([part for part, _, _ in gathered])
+        assert len(full) == self.rows.num_rows
         stats = ScanStats(
             rows=self.rows.num_rows,
             usable=int((full > 0).sum()),
