@@ -32,7 +32,6 @@ STEPS = int(os.environ.get("DEMO_TEST_STEPS", "8"))
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -171,7 +171,7 @@ def test_widened_lora_adapters(assets, packed):
 
 @pytest.mark.distributed
 def test_bf16_training_on_two_ranks_tracks_fp32(assets, tmp_path):
-    """A real 2-rank FSDP2 run in bf16 (widened here, native where the CPU has bf16) follows the fp32 run."""
+    """A real 2-rank FSDP2 run with widened bf16 products follows the fp32 run and exports."""
     from . import runner
 
     over = {"trainer.total_training_steps": 6, "data.shuffle": "false", "trainer.log_freq": 1}

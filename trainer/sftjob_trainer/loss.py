@@ -60,10 +60,10 @@ def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool, widen: 
             probs = logits.sub_(lse[:, None]).exp_()  # softmax, reusing the logits buffer
             probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
             g = probs.to(dtype)
-            if need_h and mm is torch.mm:
-                torch.mm(g, w, out=grad_h[a : a + step])
+            if need_h and widen:
+                grad_h[a : a + step] = gemm(g, w)
             elif need_h:
-                grad_h[a : a + step] = mm(g, w)
+                torch.mm(g, w, out=grad_h[a : a + step])
             if need_w:
                 if dtype == torch.float32:
                     grad_w.addmm_(g.t(), h)

@@ -30,7 +30,7 @@ from torch import nn
 from .config import LoraConfig, ModelConfig
 from .dist import World
 from .errors import InvalidConfig
-from .precision import BF16, WidenedBf16Linear, bf16_autocast_on, widened_linear, widened_sdpa
+from .precision import WidenedBf16Linear, bf16_autocast_on, widened_linear, widened_sdpa
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     bounds = sequence_bounds(kwargs)
     sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     gqa = query.shape[1] != key.shape[1]
-    widen = getattr(module, "widen_bf16", False) and (query.dtype == BF16 or bf16_autocast_on(query.device))
+    widen = getattr(module, "widen_bf16", False) and bf16_autocast_on(query.device)
     sdpa = widened_sdpa if widen else F.scaled_dot_product_attention
     # split, not slicing: the backward of a split is one cat, while every slice's backward
     # would zero-fill and add a full-size gradient (a cost growing with sequences per row).
@@ -152,18 +152,15 @@ def loss_head(model: nn.Module) -> LossHead | None:
     return head if isinstance(head, LossHead) else None
 
 
-def widen_bf16_gemms(model: nn.Module) -> int:
+def widen_bf16_gemms(model: nn.Module) -> None:
     """Make every bf16 autocast product of ``model`` a widened fp32 GEMM (precision.py).
 
-    Plain linear layers (LoRA's included) become `WidenedBf16Linear`, the loss head and the
-    ``sdpa_varlen`` attention read the ``widen_bf16`` flag. Returns the layers changed."""
-    n = 0
+    Plain linear layers (LoRA's included) become `WidenedBf16Linear`; the loss head and the
+    ``sdpa_varlen`` attention (whatever its module class) read the ``widen_bf16`` flag."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = WidenedBf16Linear
-            n += 1
         module.widen_bf16 = True
-    return n
 
 
 # --------------------------------------------------------------------------- building

@@ -7,8 +7,8 @@ fp32. GPUs and CPUs with AVX512-BF16 or AMX run those products natively. Other x
 slower than its fp32 GEMM. There the trainer can run each bf16 product *widened*: the bf16
 operands are converted to fp32 (exactly, bf16 is a prefix of fp32), multiplied by the fp32
 GEMM, and the result rounded to bf16. That is the same arithmetic a bf16 GEMM with fp32
-accumulation does, up to summation order, at fp32 GEMM speed; activations saved for the
-backward pass stay bf16. ``trainer.cpu_bf16_gemm`` chooses: ``auto`` (widened exactly when
+accumulation does, up to summation order, at fp32 GEMM speed. Linear layers save their
+bf16 inputs for the backward pass; attention saves fp32 copies, one sequence at a time. ``trainer.cpu_bf16_gemm`` chooses: ``auto`` (widened exactly when
 the CPU lacks native bf16), ``native`` or ``widened``.
 """
 from __future__ import annotations
@@ -38,18 +38,16 @@ def cpu_has_native_bf16() -> bool:
 
 def use_widened_bf16(device: torch.device, precision: str, cpu_bf16_gemm: str) -> bool:
     """Whether this run's bf16 matrix products run widened to fp32 (see the module docstring)."""
-    if precision != "bf16" or device.type != "cpu" or cpu_bf16_gemm == "native":
-        if precision == "bf16" and device.type == "cpu" and not cpu_has_native_bf16():
-            log.warning("trainer.precision=bf16 with cpu_bf16_gemm=native on a CPU without native bf16: "
-                        "oneDNN emulates bf16 and runs several times slower than fp32")
+    if precision != "bf16" or device.type != "cpu":
         return False
-    if cpu_bf16_gemm == "widened":
-        return True
-    widen = not cpu_has_native_bf16()
-    if widen:
+    native = cpu_has_native_bf16()
+    if cpu_bf16_gemm == "native" and not native:
+        log.warning("trainer.precision=bf16 with cpu_bf16_gemm=native on a CPU without native bf16: "
+                    "oneDNN emulates bf16 and runs several times slower than fp32")
+    if cpu_bf16_gemm == "auto" and not native:
         log.info("bf16 matrix products run widened to fp32 GEMMs: this CPU has no AVX512-BF16/AMX "
                  "(same arithmetic as a bf16 GEMM; trainer.cpu_bf16_gemm=native to use oneDNN's emulation)")
-    return widen
+    return cpu_bf16_gemm == "widened" or (cpu_bf16_gemm == "auto" and not native)
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -96,7 +94,7 @@ class _WidenedLinear(torch.autograd.Function):
 
 def widened_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear that widens its GEMMs while bf16 autocast is on, and is plain F.linear otherwise."""
-    if not bf16_autocast_on(x.device) or not x.is_floating_point():
+    if not bf16_autocast_on(x.device):
         return F.linear(x, weight, bias)
     return _WidenedLinear.apply(x.to(BF16), weight.to(BF16), None if bias is None else bias.to(BF16))
 
