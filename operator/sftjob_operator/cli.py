@@ -7,11 +7,18 @@
 Kubernetes credentials: in-cluster service account, else $KUBECONFIG / ~/.kube/config.
 Serves Prometheus metrics on --metrics-port and a liveness endpoint on --liveness-port
 (`GET /healthz`).
+
+High availability: with --leader-elect (the default in a pod) several replicas may run; each
+waits for a coordination.k8s.io Lease (leader.py) and only its holder acts. A standby serves
+/healthz and /metrics (`sftjob_operator_leader 0`) and nothing else. A leader that cannot
+renew the Lease within --leader-election-renew-deadline exits with status 75
+(leader.EXIT_LEASE_LOST) before any standby may take over.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 
@@ -24,8 +31,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=8080, help="Prometheus port (0: off); default 8080")
     p.add_argument("--liveness-port", type=int, default=8081, help="liveness port (0: off); default 8081")
     p.add_argument("--peering", metavar="NAME", default=None,
-                   help="coordinate with other operator replicas through kopf peering NAME "
-                   "(needs kopf's peering CRDs); default: standalone")
+                   help="kopf peering NAME (needs kopf's peering CRDs); not a way to run replicas "
+                   "(it does not pause the operator's requeue scheduler): use --leader-elect; "
+                   "default: standalone")
+    le = p.add_argument_group("leader election (several replicas, one acts)")
+    le.add_argument("--leader-elect", action=argparse.BooleanOptionalAction, default=None,
+                    help="hold a coordination.k8s.io/v1 Lease before acting; default: on in a pod "
+                    "(in-cluster ServiceAccount), off elsewhere")
+    le.add_argument("--leader-election-namespace", metavar="NS", default=None,
+                    help="namespace of the Lease; default: $POD_NAMESPACE, else the ServiceAccount's")
+    le.add_argument("--leader-election-name", metavar="NAME", default="sftjob-operator",
+                    help="name of the Lease (one per set of replicas); default sftjob-operator")
+    le.add_argument("--leader-election-id", metavar="ID", default=None,
+                    help="this replica's identity in the Lease; default: $POD_NAME (or host name) "
+                    "plus a random suffix")
+    le.add_argument("--leader-election-lease-duration", type=float, default=15.0, metavar="S",
+                    help="a standby takes over a Lease not renewed for this long; default 15")
+    le.add_argument("--leader-election-renew-deadline", type=float, default=10.0, metavar="S",
+                    help="a leader that could not renew for this long exits; default 10")
+    le.add_argument("--leader-election-retry-period", type=float, default=2.0, metavar="S",
+                    help="standby poll and leader renew interval; default 2")
     p.add_argument("--watch-timeout", type=int, default=300,
                    help="server-side watch timeout in seconds, so watches never silently stall")
     p.add_argument("--log-format", choices=("plain", "json"), default="plain")
@@ -44,6 +69,28 @@ def main(argv: list[str] | None = None) -> int:
     if not args.namespace and not args.all_namespaces:
         _parser().error("choose a scope: --namespace NS (repeatable) or --all-namespaces")
 
+    leader_elect = args.leader_elect
+    if leader_elect is None:
+        from .leader import in_cluster
+
+        leader_elect = in_cluster()
+    elector_cfg = None
+    if leader_elect:
+        from . import leader
+
+        ns = args.leader_election_namespace or leader.default_namespace()
+        if not ns:
+            _parser().error("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")
+        try:
+            elector_cfg = leader.Config(namespace=ns, name=args.leader_election_name,
+                                        identity=args.leader_election_id or "",
+                                        lease_duration=args.leader_election_lease_duration,
+                                        renew_deadline=args.leader_election_renew_deadline,
+                                        retry_period=args.leader_election_retry_period)
+        except ValueError as err:
+            _parser().error(str(err))
+
+    # Imported before the election, so that a standby that takes over starts at once.
     import kopf
 
     from . import handlers, metrics
@@ -64,14 +111,43 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("sftjob_operator").setLevel(logging.INFO)
     metrics.serve(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
-    kopf.run(
-        clusterwide=args.all_namespaces,
-        namespaces=args.namespace,
-        liveness_endpoint=liveness,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-    )
+    elector = _elect(elector_cfg, args.liveness_port) if elector_cfg else None
+    try:
+        kopf.run(
+            clusterwide=args.all_namespaces,
+            namespaces=args.namespace,
+            liveness_endpoint=liveness,
+            standalone=args.peering is None,
+            peering_name=args.peering,
+        )
+    finally:
+        # kopf has stopped (SIGTERM, SIGINT or a fatal error): nothing acts any more, so the
+        # Lease can go to a standby now rather than after it expires.
+        if elector is not None:
+            elector.release()
     return 0
+
+
+def _elect(cfg, liveness_port: int):
+    """Stand by until this replica holds the Lease; then renew it in the background."""
+    from . import leader
+
+    elector = leader.LeaderElector(cfg)
+    # A standby holds nothing: SIGTERM ends it at once (kopf installs its own handlers later).
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    health = leader.StandbyHealth(liveness_port, elector) if liveness_port else None
+    try:
+        elector.acquire()
+    except BaseException:
+        if elector.is_leader:
+            elector.release()
+        raise
+    finally:
+        if health is not None:
+            health.stop()
+        signal.signal(signal.SIGTERM, previous)
+    elector.start_renewing()
+    return elector
 
 
 if __name__ == "__main__":
