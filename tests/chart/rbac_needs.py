@@ -23,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 
 from sftjob_operator import api, builders
 from sftjob_operator.kube import Kube
+from sftjob_operator.leader import LeaseLock
 
 Probe = Callable[["ProbeContext"], Awaitable[Any]]
 
@@ -33,6 +34,7 @@ class ProbeContext:
     namespace: str          # where the probe job lives
     job: dict[str, Any]     # a suspended SFTJob in that namespace, as read by the admin
     node: str               # a Node name
+    lease: str = "sftjob-sftjob-operator"   # the leader-election Lease (in `namespace`)
 
     @property
     def ref(self) -> builders.JobRef:
@@ -142,6 +144,32 @@ async def _get_node(ctx):
     await asyncio.to_thread(ctx.kube.core.read_node, ctx.node, _preload_content=False)
 
 
+def _lease_lock(ctx: ProbeContext) -> LeaseLock:
+    return LeaseLock(ctx.namespace, ctx.lease, ctx.kube.client)
+
+
+async def _get_lease(ctx):
+    # leader.LeaseLock.get: an absent Lease is None (404), a refusal raises.
+    await asyncio.to_thread(_lease_lock(ctx).get, 10)
+
+
+async def _create_lease(ctx):
+    # leader.LeaseLock.create, as the first candidate calls it, with dryRun=All.
+    await asyncio.to_thread(_lease_lock(ctx).create, {"holderIdentity": "rbac-probe", "leaseDurationSeconds": 15},
+                            10, True)
+
+
+async def _update_lease(ctx):
+    # leader.LeaseLock.update (renew, take over, release); the probe's Lease does not
+    # exist, so an authorized call answers 404.
+    meta = {"name": ctx.lease, "namespace": ctx.namespace, "resourceVersion": "1"}
+    try:
+        await asyncio.to_thread(_lease_lock(ctx).update, {"metadata": meta}, {"holderIdentity": "rbac-probe"}, 10)
+    except ApiException as err:
+        if err.status != 404:
+            raise
+
+
 # (apiGroup, resource, verb) -> (who needs it, probe)
 NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
     ("sftjob.io", "sftjobs", "get"): ("kube.get_job: every reconcile pass reads the job fresh", _get_job),
@@ -173,7 +201,16 @@ NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
         "serves a CRD it did not see at start-up", _watch("crds")),
     ("", "nodes", "get"): ("kube.node_ready: a NotReady node restarts the gang at once (rbac.readNodes)",
                            _get_node),
+    # Leader election (leader.py), in the release namespace, on the one Lease by name
+    # (create cannot be limited by name).
+    ("coordination.k8s.io", "leases", "get"): (
+        "leader.LeaderElector: every standby poll and leader renewal reads the Lease", _get_lease),
+    ("coordination.k8s.io", "leases", "create"): (
+        "leader.LeaderElector: the first replica ever creates the Lease", _create_lease),
+    ("coordination.k8s.io", "leases", "update"): (
+        "leader.LeaderElector: renew (else the leader exits), take over, release on shutdown", _update_lease),
 }
+LEASE_KEYS = {k for k in NEEDS if k[:2] == ("coordination.k8s.io", "leases")}
 
 
 def sa_kube(server: str, cafile: str, token: str) -> Kube:
@@ -185,10 +222,12 @@ def sa_kube(server: str, cafile: str, token: str) -> Kube:
 
 
 def granted(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    """Expand RBAC rules into (apiGroup, resource, verb) triples."""
+    """Expand RBAC rules into (apiGroup, resource, verb) triples. Only the Lease rule may be
+    limited to names (the tests check which)."""
     out = set()
     for rule in rules:
-        assert not rule.get("resourceNames") and not rule.get("nonResourceURLs"), rule
+        assert not rule.get("nonResourceURLs"), rule
+        assert not rule.get("resourceNames") or rule["resources"] == ["leases"], rule
         for group in rule["apiGroups"]:
             for res in rule["resources"]:
                 for verb in rule["verbs"]:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from .chart_kit import CHART, CRD_COPY, CRD_SOURCE, DOCKERFILES, REPO, find, helm, one, render, render_text
-from .rbac_needs import NEEDS, granted
+from .rbac_needs import LEASE_KEYS, NEEDS, granted
 
 pytestmark = pytest.mark.unit
 
@@ -113,7 +113,7 @@ def test_operator_pod_is_locked_down():
         dep = one(render(values), "Deployment")
         pod = dep["spec"]["template"]["spec"]
         (c,) = pod["containers"]
-        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+        assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
         assert c["securityContext"] == {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
@@ -130,24 +130,80 @@ def test_operator_pod_is_locked_down():
     _parser().parse_args([a for a in c["args"]])
 
 
+def test_replicas_elect_a_leader_with_a_disruption_budget():
+    """Two replicas by default, one acting (Lease named like the release, in its namespace);
+    a PodDisruptionBudget and soft anti-affinity keep a standby; one replica without election
+    is the only other safe shape."""
+    from sftjob_operator.cli import _parser
+
+    docs = render()
+    dep = one(docs, "Deployment")
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    args = _parser().parse_args(c["args"])
+    assert args.leader_elect is True and args.leader_election_name == "sftjob-sftjob-operator"
+    assert (args.leader_election_lease_duration, args.leader_election_renew_deadline,
+            args.leader_election_retry_period) == (15, 10, 2)
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": dep["spec"]["selector"]}
+    assert pdb["metadata"]["namespace"] == "sftjob-system"
+    # a user's own affinity replaces the default; no PDB when switched off
+    own = {"operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+           ".nodeSelectorTerms[0].matchExpressions[0].key": "x",
+           "operator.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+           ".nodeSelectorTerms[0].matchExpressions[0].operator": "Exists"}
+    assert list(one(render(own), "Deployment")["spec"]["template"]["spec"]["affinity"]) == ["nodeAffinity"]
+    assert not find(render({"podDisruptionBudget.enabled": "false"}), "PodDisruptionBudget")
+    # Without election: one replica, Recreate, no Lease rights; more replicas are refused.
+    off = render({"leaderElection.enabled": "false", "replicaCount": "1"})
+    dep = one(off, "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--no-leader-elect" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "affinity" not in dep["spec"]["template"]["spec"]
+    assert not find(off, "Role") and not find(off, "RoleBinding")
+    res = helm("template", "x", "CHART", "--set", "leaderElection.enabled=false", check=False)
+    assert res.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled" in res.stderr, res.stderr
+    res = helm("template", "x", "CHART", "--set", "leaderElection.renewDeadlineSeconds=15", check=False)
+    assert res.returncode != 0 and "retryPeriodSeconds < renewDeadlineSeconds" in res.stderr, res.stderr
+
+
 def test_rbac_grants_exactly_the_needed_verbs():
     cluster_docs = render()
     (role,) = find(cluster_docs, "ClusterRole")
-    assert granted(role["rules"]) == set(NEEDS), "chart rules and tests/chart/rbac_needs.py disagree"
+    (lease_role,) = find(cluster_docs, "Role")
+    assert granted(role["rules"]) == set(NEEDS) - LEASE_KEYS, "chart rules and tests/chart/rbac_needs.py disagree"
     # One rule per resource, so that removing any one rule removes one capability.
-    assert all(len(r["resources"]) == 1 and len(r["apiGroups"]) == 1 for r in role["rules"])
+    assert all(len(r["resources"]) == 1 and len(r["apiGroups"]) == 1 for r in role["rules"] + lease_role["rules"])
     binding = one(cluster_docs, "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "sftjob-sftjob-operator",
                                     "namespace": "sftjob-system"}]
+    # Leader election: only in the release namespace; read and renew only the one Lease
+    # (create cannot be limited by name, so it is the only unnamed verb).
+    assert lease_role["metadata"] == {**lease_role["metadata"], "name": "sftjob-sftjob-operator-leader-election",
+                                      "namespace": "sftjob-system"}
+    assert granted(lease_role["rules"]) == LEASE_KEYS
+    assert sorted((r["verbs"], r.get("resourceNames")) for r in lease_role["rules"]) == [
+        (["create"], None), (["get", "update"], ["sftjob-sftjob-operator"])]
+    (lease_binding,) = find(cluster_docs, "RoleBinding")
+    assert lease_binding["roleRef"]["name"] == lease_role["metadata"]["name"]
+    assert lease_binding["subjects"] == binding["subjects"]
     # Namespace-scoped: the same verbs, but namespaced resources only through Roles.
     docs = render(NAMESPACED)
     (crole,) = find(docs, "ClusterRole")
     assert {r["resources"][0] for r in crole["rules"]} == {"customresourcedefinitions", "nodes"}
-    roles = find(docs, "Role")
+    roles = [r for r in find(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for r in roles:
-        assert granted(r["rules"]) | granted(crole["rules"]) == set(NEEDS)
-    assert len(find(docs, "RoleBinding")) == 2
+        assert granted(r["rules"]) | granted(crole["rules"]) | LEASE_KEYS == set(NEEDS)
+    assert len(find(docs, "RoleBinding")) == 3
+    assert not LEASE_KEYS & granted(one(render({"leaderElection.enabled": "false", "replicaCount": "1"}),
+                                        "ClusterRole")["rules"])
     # Options: nodes off; finalizers on (OwnerReferencesPermissionEnforcement clusters).
     assert ("", "nodes", "get") not in granted(one(render({"rbac.readNodes": "false"}), "ClusterRole")["rules"])
     extra = granted(one(render(ALL_ON), "ClusterRole")["rules"]) - set(NEEDS)

@@ -96,10 +96,15 @@ def other_operators() -> list[str]:
 
 
 def operator_pod(cluster, ns: str, release: str) -> dict:
+    """The replica that acts: the one named in the leader-election Lease (holder identity =
+    pod name + "_" + a random suffix)."""
     pods = cluster.kube.get(f"/api/v1/namespaces/{ns}/pods?labelSelector=app.kubernetes.io/instance%3D{release}")
     live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")
             and p["status"].get("phase") == "Running"]
-    return live[0] if len(live) == 1 else None
+    lease = cluster.kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{release}-sftjob-operator")
+    holder = lease["spec"].get("holderIdentity") or ""
+    leaders = [p for p in live if holder.startswith(p["metadata"]["name"] + "_")]
+    return leaders[0] if len(leaders) == 1 else None
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -152,8 +157,10 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
                        "--set", f"trainer.image={TRAINER_IMAGE}", "--set", "operator.logFormat=plain",
                        "--wait", "--timeout", "180s")
     assert "kubectl -n NS apply -f examples/sftjob.yaml" in res.stdout  # NOTES: what to do next
-    op = wait_for(lambda: operator_pod(cluster, system_ns, release), 60, what="operator pod Running")
+    op = wait_for(lambda: operator_pod(cluster, system_ns, release), 60, what="a leading operator pod")
     op_name = op["metadata"]["name"]
+    replicas = cluster.kube.get(f"/apis/apps/v1/namespaces/{system_ns}/deployments/{release}-sftjob-operator")
+    assert replicas["status"].get("readyReplicas") == 2, "the standby must be Ready too (PodDisruptionBudget)"
     assert op["spec"]["serviceAccountName"] == f"{release}-sftjob-operator"
     assert any(v.get("projected") for v in op["spec"]["volumes"]), "no projected ServiceAccount token"
 
@@ -239,6 +246,9 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
                  f"/apis/networking.k8s.io/v1/namespaces/{system_ns}/networkpolicies",
                  f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs_ns}/roles",
                  f"/apis/rbac.authorization.k8s.io/v1/namespaces/{jobs_ns}/rolebindings",
+                 f"/apis/rbac.authorization.k8s.io/v1/namespaces/{system_ns}/roles",
+                 f"/apis/rbac.authorization.k8s.io/v1/namespaces/{system_ns}/rolebindings",
+                 f"/apis/policy/v1/namespaces/{system_ns}/poddisruptionbudgets",
                  "/apis/rbac.authorization.k8s.io/v1/clusterroles", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"):
         assert cluster.kube.get(f"{path}?{sel}")["items"] == [], path
     wait_for(lambda: not cluster.kube.get(f"/api/v1/namespaces/{system_ns}/pods?{sel}")["items"], 60,
@@ -252,54 +262,63 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
 
 @pytest.mark.timeout(300)
 def test_every_rbac_verb_is_needed(cluster, namespace, shared_crd):
-    """Acceptance 2: with the chart's cluster-wide ClusterRole every probe in
-    tests/chart/rbac_needs.py succeeds; taking away any single verb (and any single rule)
-    makes exactly the probes of what was taken away fail with 403."""
+    """Acceptance 2: with the chart's cluster-wide ClusterRole and its leader-election Role
+    (the release namespace is the test's) every probe in tests/chart/rbac_needs.py succeeds;
+    taking away any single verb (and any single rule) makes exactly the probes of what was
+    taken away fail with 403."""
     name = f"rbac-{uuid.uuid4().hex[:6]}"
     rendered = render_text({"fullnameOverride": name}, namespace=namespace,
                            extra=["--show-only", "templates/rbac.yaml", "--show-only", "templates/serviceaccount.yaml"])
     docs = [d for d in yaml.safe_load_all(rendered) if d]
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    roles = {f"{rbac}/clusterroles/{name}": next(d for d in docs if d["kind"] == "ClusterRole"),
+             f"{rbac}/namespaces/{namespace}/roles/{name}-leader-election": next(d for d in docs if d["kind"] == "Role")}
     cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
-    role_path = f"/apis/rbac.authorization.k8s.io/v1/clusterroles/{name}"
     try:
         cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(example("probe", suspend=True)))
         job = cluster.kube.get(f"/apis/sftjob.io/v1alpha1/namespaces/{namespace}/sftjobs/probe")
         token = cluster.kubectl("-n", namespace, "create", "token", name, "--duration=10m").stdout.strip()
         server = cluster.cfg.apiserver_url
         ctx = ProbeContext(sa_kube(server, str(cluster.cfg.pki / "ca.crt"), token), namespace, job,
-                           node=cluster.kube.get("/api/v1/nodes")["items"][0]["metadata"]["name"])
+                           node=cluster.kube.get("/api/v1/nodes")["items"][0]["metadata"]["name"], lease=name)
 
         def refusals() -> set:
             return {key for key in NEEDS if asyncio.run(refused(ctx, key))}
 
-        wait_for(lambda: not refusals(), 30, what="every probe to pass with the full role")
+        wait_for(lambda: not refusals(), 30, what="every probe to pass with the full roles")
 
-        def without(drop) -> list[dict]:
-            rules = []
-            for i, rule in enumerate(role["rules"]):
+        def without(rules, drop) -> list[dict]:
+            out = []
+            for i, rule in enumerate(rules):
                 verbs = [v for v in rule["verbs"] if (i, v) not in drop and i not in drop]
                 if verbs:
-                    rules.append({**rule, "verbs": verbs})
-            return rules
+                    out.append({**rule, "verbs": verbs})
+            return out
 
-        def keys(i: int, verbs: list[str]) -> set:
-            r = role["rules"][i]
+        def keys(rules, i: int, verbs: list[str]) -> set:
+            r = rules[i]
             return {(r["apiGroups"][0], r["resources"][0], v) for v in verbs}
 
-        variants = [({(i, v)}, keys(i, [v])) for i, r in enumerate(role["rules"]) for v in r["verbs"]]
-        variants += [({i}, keys(i, r["verbs"])) for i, r in enumerate(role["rules"])]
         report = []
-        for drop, expected in variants:
-            current = cluster.kube.get(role_path)
-            cluster.kube.put(role_path, {**current, "rules": without(drop)})
-            # RBAC changes reach the authorizer through an informer: wait for the refusal.
-            got = wait_for(lambda: (r := refusals()) >= expected and r, 15,
-                           what=f"a 403 for {sorted(expected)} without {drop}")
-            assert got == expected, f"without {drop}: refused {sorted(got)}, expected {sorted(expected)}"
-            report.append(f"without {sorted(expected)}: refused -> {NEEDS[sorted(expected)[0]][0]}")
-        current = cluster.kube.get(role_path)
-        cluster.kube.put(role_path, {**current, "rules": role["rules"]})
+        for path, role in roles.items():
+            rules = role["rules"]
+            variants = [({(i, v)}, keys(rules, i, [v])) for i, r in enumerate(rules) for v in r["verbs"]]
+            variants += [({i}, keys(rules, i, r["verbs"])) for i, r in enumerate(rules)]
+            for drop, expected in variants:
+                current = cluster.kube.get(path)
+                cluster.kube.put(path, {**current, "rules": without(rules, drop)})
+                # RBAC changes reach the authorizer through an informer: wait for the refusal.
+                got = wait_for(lambda: (r := refusals()) >= expected and r, 15,
+                               what=f"a 403 for {sorted(expected)} without {drop}")
+                assert got == expected, f"without {drop}: refused {sorted(got)}, expected {sorted(expected)}"
+                report.append(f"without {sorted(expected)}: refused -> {NEEDS[sorted(expected)[0]][0]}")
+            current = cluster.kube.get(path)
+            cluster.kube.put(path, {**current, "rules": rules})
+            wait_for(lambda: not refusals(), 30, what="every probe to pass again")
+        # The Lease rights are for the one Lease: another name is refused even to read.
+        other = ProbeContext(ctx.kube, namespace, job, ctx.node, lease=f"{name}-other")
+        assert asyncio.run(refused(other, ("coordination.k8s.io", "leases", "get")))
+        assert asyncio.run(refused(other, ("coordination.k8s.io", "leases", "update")))
         print("\n".join(report))
     finally:
         for d in docs:

@@ -91,6 +91,21 @@ each away and name the operator code path that breaks (tests/chart/rbac_needs.py
 {{- end }}
 {{- end }}
 
+{{/*
+Leader election (leader.py): the Lease named like the release, in the release namespace.
+`create` cannot be limited to a name (the name is not known to the authorizer before the
+object exists), so it is a rule of its own; reading and renewing are limited to the one Lease.
+*/}}
+{{- define "sftjob-operator.leaderElectionRules" -}}
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  verbs: ["create"]
+- apiGroups: ["coordination.k8s.io"]
+  resources: ["leases"]
+  resourceNames: [{{ include "sftjob-operator.fullname" . | quote }}]
+  verbs: ["get", "update"]
+{{- end }}
+
 {{/* Operator command-line scope flags. */}}
 {{- define "sftjob-operator.scopeArgs" -}}
 {{- if .Values.watchNamespaces }}
