@@ -29,6 +29,7 @@ test-unit: install checkov-install ## Run only the fast tests (no torchrun, no c
 -include operator/operator.mk
 -include charts/chart.mk
 -include bench/bench.mk
+-include hack/chaos.mk
 
 demo: install ## End to end: local cluster, Helm chart, SFTJob preempted and resumed, model from S3, Prometheus (DEMO_STEPS=N: shorter)
 	OMP_NUM_THREADS=1 $(PY) demo/run.py

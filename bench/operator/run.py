@@ -1,0 +1,503 @@
+"""`make bench-operator`: the operator at scale on kwok fake nodes, measured against targets.
+
+    python bench/operator/run.py                 # 1,000 SFTJobs x 2 pods on 22 kwok nodes
+    python bench/operator/run.py --jobs 50       # a quick run
+
+The operator runs as a host process (`python -m sftjob_operator.cli --namespace NS`, as in
+tests/operator/operator_proc.py), namespace-scoped to a fresh namespace so that it never
+touches anyone else's jobs on a shared cluster. Jobs are created through the API from a
+thread pool; their pods land on kwok nodes, which report them Running with fake IPs, so
+every rank-0 progress scrape of the operator goes to an address nothing answers (the scrape
+load). Measured:
+
+- apply -> all pods created, per job (the job's POST returned -> both of its pods seen on a
+  pod watch), p50/p99/max, and all pods created relative to the last apply;
+- the operator's peak RSS (VmHWM of its process);
+- time to steady state: first apply -> every job's status.phase Running, and the
+  operator's CPU, reconcile rate and reconcile duration after that (its /metrics);
+- the progress-scrape load: scrapes/s and their outcome when the operator exports such a
+  counter (any metric with "scrape" in its name), else reconciles of Running jobs/s;
+- head-of-line blocking: at steady state, one pod of a few jobs is deleted and the time until
+  the operator has created the replacement gang is measured: a reconcile stuck behind other
+  jobs' unreachable endpoints shows up here;
+- reconcile errors: sftjob_operator_reconcile_errors_total and ERROR/Traceback lines in its log.
+
+Prints a table with the targets and PASS/FAIL; exits 1 on a miss. JSON: --out (default
+.bench/operator/results.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from hack import localcluster  # noqa: E402
+from hack.localcluster.kube import ApiError, Kube  # noqa: E402
+
+JOBS = "/apis/sftjob.io/v1alpha1/namespaces/{ns}/sftjobs"
+CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
+EXAMPLE = REPO / "examples" / "sftjob.yaml"
+KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
+NODE_PREFIX = "bench-kwok-"
+
+
+def say(msg: str) -> None:
+    print(f"[bench-operator {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = max(0, min(len(xs) - 1, math.ceil(q / 100 * len(xs)) - 1))
+    return xs[k]
+
+
+# ------------------------------------------------------------------------------ the operator
+
+class Operator:
+    def __init__(self, env: dict[str, str], ns: str, log_path: Path):
+        self.env, self.ns, self.log_path = env, ns, log_path
+        self.metrics_port, self.liveness_port = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.rss_samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sftjob_operator.cli", "--namespace", self.ns, "--watch-timeout", "120",
+             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port)],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"operator exited {self.proc.returncode}:\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise SystemExit(f"operator not live after 90 s:\n{self.tail()}")
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.5):
+            self.rss_samples.append((time.time(), self.status_kb("VmRSS")))
+
+    def status_kb(self, key: str) -> int:
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def cpu_seconds(self) -> float:
+        try:
+            f = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            return 0.0
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{labels}': value}."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                try:
+                    out[key] = float(value)
+                except ValueError:
+                    pass
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
+
+
+def msum(m: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a metric's samples whose labels include `labels`."""
+    total = 0.0
+    for key, v in m.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
+            total += v
+    return total
+
+
+def hist_quantile(m: dict[str, float], name: str, q: float, before: dict[str, float] | None = None) -> float:
+    """A quantile from a Prometheus histogram's cumulative buckets (optionally of the increase since `before`)."""
+    buckets = []
+    for key, v in m.items():
+        if key.startswith(name + "_bucket{"):
+            le = re.search(r'le="([^"]+)"', key).group(1)
+            v -= (before or {}).get(key, 0.0)
+            buckets.append((float("inf") if le == "+Inf" else float(le), v))
+    buckets.sort()
+    if not buckets or buckets[-1][1] <= 0:
+        return float("nan")
+    rank = q * buckets[-1][1]
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_c) / max(c - prev_c, 1e-9))
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+# ------------------------------------------------------------------------------ pods, seen by a watch
+
+class PodWatch(threading.Thread):
+    def __init__(self, kube: Kube, ns: str):
+        super().__init__(daemon=True, name="pod-watch")
+        self.kube, self.ns = kube, ns
+        self.seen: dict[str, float] = {}           # pod uid -> first seen (time.time())
+        self.by_job: dict[str, list[tuple[float, str, str]]] = {}   # job -> [(seen, pod name, attempt)]
+        self.running: set[str] = set()
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.rv = kube.get(f"/api/v1/namespaces/{ns}/pods")["metadata"]["resourceVersion"]
+        self.errors = 0
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                for ev in self.kube.watch(f"/api/v1/namespaces/{self.ns}/pods", self.rv, timeout_s=120):
+                    now = time.time()
+                    obj = ev.get("object") or {}
+                    md = obj.get("metadata") or {}
+                    if md.get("resourceVersion"):
+                        self.rv = md["resourceVersion"]
+                    if ev.get("type") == "ERROR":
+                        raise ApiError(410, json.dumps(obj), "WATCH", "pods")
+                    if ev.get("type") not in ("ADDED", "MODIFIED"):
+                        continue
+                    uid = md["uid"]
+                    labels = md.get("labels") or {}
+                    with self.lock:
+                        if uid not in self.seen:
+                            self.seen[uid] = now
+                            self.by_job.setdefault(labels.get("sftjob.io/job-name", ""), []).append(
+                                (now, md["name"], labels.get("sftjob.io/attempt", "")))
+                        if (obj.get("status") or {}).get("phase") == "Running":
+                            self.running.add(uid)
+                    if self.stopped.is_set():
+                        return
+            except ApiError as e:
+                self.errors += 1
+                if e.status == 410:  # too old: relist
+                    self.rv = self.kube.get(f"/api/v1/namespaces/{self.ns}/pods")["metadata"]["resourceVersion"]
+            except OSError:
+                self.errors += 1
+                time.sleep(0.5)
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.seen)
+
+
+# ------------------------------------------------------------------------------ the benchmark
+
+def job_manifest(name: str) -> dict[str, Any]:
+    obj = yaml.safe_load(EXAMPLE.read_text())
+    obj["metadata"] = {"name": name}
+    spec = obj["spec"]
+    spec["resources"]["nodeSelector"] = {"type": "kwok"}
+    spec["resources"]["tolerations"] = [KWOK_TAINT]
+    spec["runPolicy"]["restartBackoffSeconds"] = 0
+    spec["runPolicy"].pop("ttlSecondsAfterFinished", None)
+    return obj
+
+
+def wait_running(kube: Kube, ns: str, name: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if ((kube.get(f"{JOBS.format(ns=ns)}/{name}").get("status") or {}).get("phase")) == "Running":
+            return
+        time.sleep(0.3)
+    raise SystemExit(f"{name} not Running after {timeout:.0f}s")
+
+
+def probe(kube: Kube, ns: str, watch: "PodWatch", name: str, errors: list[str], timeout: float = 120) -> float:
+    """Delete rank 1 of a Running job (grace 0, a lost pod); seconds until both pods of the
+    replacement gang exist."""
+    wait_running(kube, ns, name, timeout)
+    with watch.lock:
+        before = {a for _, _, a in watch.by_job.get(name, [])}
+    t0 = time.time()
+    try:
+        kube.delete(f"/api/v1/namespaces/{ns}/pods/{name}-node-1", {"gracePeriodSeconds": 0})
+    except ApiError as e:
+        errors.append(f"probe delete {name}: {e}")
+        return float("inf")
+    end = t0 + timeout
+    while time.time() < end:
+        with watch.lock:
+            new = [s for s, _, a in watch.by_job.get(name, []) if a not in before]
+        if len(new) >= 2:
+            return max(new) - t0
+        time.sleep(0.05)
+    return float("inf")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=1000)
+    p.add_argument("--kwok-nodes", type=int, default=22)
+    p.add_argument("--apply-workers", type=int, default=8, help="parallel creates")
+    p.add_argument("--probes", type=int, default=5, help="pod deletions at steady state (head-of-line probe)")
+    p.add_argument("--settle-timeout", type=float, default=900, help="seconds to reach steady state")
+    p.add_argument("--observe", type=float, default=20, help="seconds of steady state to measure load over")
+    p.add_argument("--target-rss-mb", type=float, default=300)
+    p.add_argument("--target-p99-s", type=float, default=5.0)
+    p.add_argument("--target-hol-s", type=float, default=2.0,
+                   help="max extra seconds (over the idle operator's) from a pod deletion to the replacement "
+                        "gang's pods, at steady state: the head-of-line delay")
+    p.add_argument("--keep", action="store_true", help="leave the namespace, jobs and kwok nodes")
+    p.add_argument("--out", type=Path, default=REPO / ".bench" / "operator" / "results.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = localcluster.up()
+    kube = Kube.from_state(cfg)
+    env = {**os.environ, **localcluster.env(cfg)}
+    kubectl = str(localcluster.bin_dir("k8s") / "kubectl")
+    subprocess.run([kubectl, "apply", "--server-side", "--force-conflicts", "-f", str(CRD)], env=env, check=True,
+                   capture_output=True)
+    subprocess.run([kubectl, "wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s"],
+                   env=env, check=True, capture_output=True)
+    t = time.time()
+    nodes = localcluster.kwok_up(nodes=args.kwok_nodes, cfg=cfg, prefix=NODE_PREFIX)
+    say(f"{len(nodes)} kwok nodes ready ({time.time() - t:.0f}s)")
+    ns = f"bench-operator-{uuid.uuid4().hex[:6]}"
+    kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    op = Operator(env, ns, args.out.parent / "operator.log")
+    results: dict[str, Any] = {"jobs": args.jobs, "pods_per_job": 2, "kwok_nodes": len(nodes), "namespace": ns}
+    rows: list[tuple[str, str, str, str]] = []
+    ok = True
+    try:
+        op.start()
+        say(f"operator pid {op.proc.pid} (namespace {ns}), metrics :{op.metrics_port}, "
+            f"RSS at start {op.status_kb('VmRSS') / 1024:.0f} MB")
+        watch = PodWatch(kube, ns)
+        watch.start()
+        # The same probe on the idle operator first (one job): the reference for head-of-line delay.
+        idle_errors: list[str] = []
+        kube.create(JOBS.format(ns=ns), job_manifest("probe-idle"))
+        wait_running(kube, ns, "probe-idle", 120)
+        idle_lat = [probe(kube, ns, watch, "probe-idle", idle_errors) for _ in range(2)]
+        kube.delete(f"{JOBS.format(ns=ns)}/probe-idle")
+        say("probe on the idle operator: " + ", ".join(f"{x:.2f}s" for x in idle_lat))
+        m0 = op.metrics()
+        cpu0 = op.cpu_seconds()
+
+        # -- apply -----------------------------------------------------------------------
+        applied: dict[str, float] = {}
+        errors: list[str] = []
+
+        def create(i: int) -> None:
+            name = f"bench-{i:05d}"
+            try:
+                kube.create(JOBS.format(ns=ns), job_manifest(name))
+                applied[name] = time.time()
+            except (ApiError, OSError) as e:
+                errors.append(f"{name}: {e}")
+
+        t_first = time.time()
+        with ThreadPoolExecutor(args.apply_workers) as pool:
+            list(pool.map(create, range(args.jobs)))
+        t_last = max(applied.values()) if applied else time.time()
+        say(f"applied {len(applied)} SFTJobs in {t_last - t_first:.1f}s ({len(errors)} errors)")
+        want = 2 * len(applied)
+        deadline = time.time() + args.settle_timeout
+
+        def n_created() -> int:
+            with watch.lock:
+                return sum(min(2, len(watch.by_job.get(n, []))) for n in applied)
+
+        while n_created() < want and time.time() < deadline:
+            time.sleep(0.2)
+        with watch.lock:
+            pods_seen = [max(s for s, _, _ in watch.by_job[n]) for n in applied if len(watch.by_job.get(n, [])) >= 2]
+            lat = [max(s for s, _, _ in watch.by_job[n]) - applied[n] for n in applied
+                   if len(watch.by_job.get(n, [])) >= 2]
+        all_after_last = (max(pods_seen) - t_last) if len(lat) == len(applied) else float("nan")
+        created = n_created()
+        say(f"pods: {created}/{want} seen; all created {all_after_last:.1f}s after the last apply; "
+            f"per job p50 {pct(lat, 50):.2f}s p99 {pct(lat, 99):.2f}s max {max(lat or [0]):.2f}s")
+
+        # -- steady state ----------------------------------------------------------------
+        def phases() -> dict[str, int]:
+            out: dict[str, int] = {}
+            cont = None
+            while True:
+                page = kube.get(JOBS.format(ns=ns), limit="500", **({"continue": cont} if cont else {}))
+                for j in page["items"]:
+                    ph = (j.get("status") or {}).get("phase") or "None"
+                    out[ph] = out.get(ph, 0) + 1
+                cont = page["metadata"].get("continue")
+                if not cont:
+                    return out
+
+        steady_at = None
+        last_ph: dict[str, int] = {}
+        while time.time() < deadline:
+            last_ph = phases()
+            if last_ph.get("Running", 0) == len(applied):
+                steady_at = time.time()
+                break
+            time.sleep(2)
+        t_steady = (steady_at - t_first) if steady_at else float("nan")
+        say(f"steady state (every job Running) {t_steady:.1f}s after the first apply" if steady_at else
+            f"no steady state within {args.settle_timeout:.0f}s: phases {last_ph}")
+
+        # -- load at steady state ----------------------------------------------------------
+        ma, ca, ta = op.metrics(), op.cpu_seconds(), time.time()
+        time.sleep(args.observe)
+        mb, cb, tb = op.metrics(), op.cpu_seconds(), time.time()
+        dt = tb - ta
+        rec_rate = (msum(mb, "sftjob_operator_reconciles_total") - msum(ma, "sftjob_operator_reconciles_total")) / dt
+        cpu_pct = 100 * (cb - ca) / dt
+        scrape_keys = sorted({k.partition("{")[0] for k in mb if "scrape" in k and not k.startswith("python_")})
+        scrape_rates = {k: (msum(mb, k) - msum(ma, k)) / dt for k in scrape_keys
+                        if k.endswith("_total") or k.endswith("_count")}
+        dur_p50 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.5, ma)
+        dur_p99 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.99, ma)
+        say(f"steady state over {dt:.0f}s: {rec_rate:.1f} reconciles/s, operator CPU {cpu_pct:.0f}%, "
+            f"reconcile duration p50 {dur_p50:.3f}s p99 {dur_p99:.3f}s; scrape metrics {scrape_rates or 'none'}")
+
+        # -- head-of-line probe: a preempted job must be restarted as fast as on an idle operator
+        names = sorted(applied)
+        stride = max(1, len(names) // max(1, args.probes))
+        probe_lat = [probe(kube, ns, watch, name, errors) for name in names[::stride][: args.probes]]
+        say("head-of-line probe under load (pod deleted -> replacement gang created): "
+            + ", ".join(f"{x:.2f}s" for x in probe_lat))
+
+        # -- the end -------------------------------------------------------------------------
+        m_end = op.metrics()
+        hwm_mb = op.status_kb("VmHWM") / 1024
+        rec_errors = msum(m_end, "sftjob_operator_reconcile_errors_total") - msum(m0, "sftjob_operator_reconcile_errors_total")
+        log_text = op.log_path.read_text(errors="replace")
+        log_errors = [line for line in log_text.splitlines()
+                      if re.search(r"\bERROR\b|Traceback|reconcile .* failed", line)]
+        results.update(
+            apply_seconds=t_last - t_first, apply_errors=errors[:20], pods_seen=created, pods_expected=want,
+            all_pods_after_last_apply_s=all_after_last, latency_p50_s=pct(lat, 50), latency_p99_s=pct(lat, 99),
+            latency_max_s=max(lat or [float("nan")]), steady_state_s=t_steady, phases=last_ph,
+            reconciles_per_s=rec_rate, operator_cpu_pct=cpu_pct, reconcile_duration_p50_s=dur_p50,
+            reconcile_duration_p99_s=dur_p99, scrape_rates=scrape_rates, probe_latencies_s=probe_lat, idle_probe_latencies_s=idle_lat,
+            peak_rss_mb=hwm_mb, reconcile_errors=rec_errors, log_error_lines=log_errors[:20],
+            watch_errors=watch.errors, operator_cpu_total_s=op.cpu_seconds() - cpu0)
+
+        def row(what: str, value: str, target: str = "", passed: bool | None = None) -> None:
+            nonlocal ok
+            rows.append((what, value, target, "" if passed is None else ("PASS" if passed else "FAIL")))
+            if passed is False:
+                ok = False
+
+        row("jobs x pods (kwok nodes)", f"{len(applied)} x 2 ({len(nodes)})", f"{args.jobs} x 2",
+            len(applied) == args.jobs and not errors)
+        row("apply duration (first -> last create)", f"{t_last - t_first:.1f} s")
+        row("all pods created after the last apply", f"{all_after_last:.1f} s ({created}/{want} pods)",
+            f"all {want}", created >= want)
+        row("apply -> all pods created, p50 per job", f"{pct(lat, 50):.2f} s")
+        row("apply -> all pods created, p99 per job", f"{pct(lat, 99):.2f} s", f"< {args.target_p99_s:g} s",
+            pct(lat, 99) < args.target_p99_s)
+        row("apply -> all pods created, max", f"{max(lat or [float('nan')]):.2f} s")
+        row("peak RSS of the operator (VmHWM)", f"{hwm_mb:.0f} MB", f"< {args.target_rss_mb:g} MB",
+            hwm_mb < args.target_rss_mb)
+        row("time to steady state (all jobs Running)", f"{t_steady:.1f} s", "reached", bool(steady_at))
+        row("reconciles/s at steady state", f"{rec_rate:.1f}")
+        row("reconcile duration p50 / p99 at steady state", f"{dur_p50:.3f} / {dur_p99:.3f} s")
+        row("operator CPU at steady state", f"{cpu_pct:.0f} %")
+        for k, v in scrape_rates.items():
+            row(f"{k} /s", f"{v:.1f}")
+        if not scrape_rates:
+            row("progress scrapes/s (~ reconciles of Running jobs)", f"{rec_rate:.1f} (no scrape metric exported)")
+        idle = max(idle_lat or [float("nan")])
+        hol = max(probe_lat or [float("inf")]) - idle
+        row("pod deleted -> replacement gang created, idle operator", f"{idle:.2f} s (max of {len(idle_lat)})")
+        row("pod deleted -> replacement gang created, at scale", f"{max(probe_lat or [float('nan')]):.2f} s "
+            f"(max of {len(probe_lat)})")
+        row("head-of-line delay (at scale - idle)", f"{hol:.2f} s", f"< {args.target_hol_s:g} s",
+            hol < args.target_hol_s)
+        row("reconcile errors (metric)", f"{rec_errors:.0f}", "0", rec_errors == 0)
+        row("ERROR/Traceback lines in the operator log", f"{len(log_errors)}", "0", not log_errors)
+    finally:
+        op.stop()
+        if not args.keep:
+            try:
+                kube.delete(f"/api/v1/namespaces/{ns}")
+            except ApiError:
+                pass
+            for n in kube.get("/api/v1/nodes", labelSelector="type=kwok")["items"]:
+                if n["metadata"]["name"].startswith(NODE_PREFIX):
+                    try:
+                        kube.delete(f"/api/v1/nodes/{n['metadata']['name']}")
+                    except ApiError:
+                        pass
+    results["ok"] = ok
+    args.out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    w = [max(len(r[i]) for r in rows + [("metric", "value", "target", "")]) for i in range(4)]
+    print()
+    print(f"Operator at scale: {args.jobs} SFTJobs x 2 pods on {args.kwok_nodes} kwok nodes "
+          f"(operator log {op.log_path}, results {args.out})")
+    for r in [("metric", "value", "target", "")] + rows:
+        print("  " + "  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip())
+    if results.get("log_error_lines"):
+        print("  first log errors:\n    " + "\n    ".join(results["log_error_lines"][:5]))
+    print("\nBENCH-OPERATOR " + ("PASSED" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The faults `make chaos` injects, each with the effect it must have on the job's status.
+
+Every fault acts the way the real thing would reach the system, through the same paths:
+
+| kind             | what is done                                                        | expected effect      |
+|------------------|---------------------------------------------------------------------|----------------------|
+| pod-delete       | a training pod deleted through the API (graceful: SIGTERM, checkpoint) | 1 preemption       |
+| trainer-sigkill  | SIGKILL to every process of one training pod (the container's main  | 1 preemption (137)   |
+|                  | process first, as a runtime's kill of the container)                |                      |
+| node-lost        | `localcluster.node_lost(node)` of a training pod's node: its pods   | 1 preemption         |
+|                  | are SIGKILLed, the Node goes NotReady; restored after the restart   |                      |
+| operator-kill    | one operator pod force-deleted (grace 0: SIGKILL at once); its      | none                 |
+|                  | Deployment makes a new one                                          |                      |
+| operator-kill-all| every operator pod force-deleted at once (both replicas)            | none                 |
+| minio-outage     | MinIO stopped just before a checkpoint is due, restarted seconds    | none (the upload is  |
+|                  | later, so the checkpoint upload runs into the outage                | retried)             |
+
+Pods run as local processes under the node agent (hack/localcluster/nodeagent.py): a pod's
+processes are exactly those in its network namespace `<netns_prefix><uid without dashes>[:10]`,
+and its container's main process is the pid in `containerID: sftjob://<pid>`.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from hack import localcluster
+from hack.localcluster import cluster as lc
+from hack.localcluster.kube import ApiError
+
+PREEMPTION = "preemption"
+
+# kind -> (expected restart cause or None, one-line description of the effect)
+KINDS: dict[str, tuple[str | None, str]] = {
+    "pod-delete": (PREEMPTION, "gang restart counted as a preemption"),
+    "trainer-sigkill": (PREEMPTION, "exit 137: gang restart counted as a preemption"),
+    "node-lost": (PREEMPTION, "pods NodeLost: gang restart counted as a preemption"),
+    "operator-kill": (None, "no restart; the job carries on"),
+    "operator-kill-all": (None, "no restart; the job carries on"),
+    "minio-outage": (None, "no restart; the checkpoint upload is retried"),
+}
+RESTARTING = {k for k, (cause, _) in KINDS.items() if cause}
+
+
+@dataclass
+class Fault:
+    index: int
+    kind: str
+    at_step: int | None = None          # the trainer's step when injected (None: unknown)
+    target: str = ""
+    detail: str = ""
+    t: float = 0.0                      # time.time() of the injection
+    observed: str = ""                  # what the job's status did
+    ok: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def expected_cause(self) -> str | None:
+        return KINDS[self.kind][0]
+
+    @property
+    def expected(self) -> str:
+        return KINDS[self.kind][1]
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
+    deadline = time.time() + timeout
+    last: Exception | None = None
+    while time.time() < deadline:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as e:  # noqa: BLE001 - transient API errors while things restart
+            last = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" ({last})" if last else ""))
+
+
+# ------------------------------------------------------------------------------ processes of a pod
+
+def pod_netns(cfg, pod: dict) -> str:
+    return f"{cfg.netns_prefix}{pod['metadata']['uid'].replace('-', '')[:10]}"
+
+
+def main_pid(pod: dict) -> int | None:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if "running" in (cs.get("state") or {}) and (cs.get("containerID") or "").startswith("sftjob://"):
+            return int(cs["containerID"].split("://", 1)[1])
+    return None
+
+
+def pod_pids(cfg, pod: dict) -> list[int]:
+    """Host pids of every process of the pod (its network namespace's), main process first."""
+    out = subprocess.run(["ip", "netns", "pids", pod_netns(cfg, pod)], capture_output=True, text=True)
+    pids = [int(p) for p in out.stdout.split()]
+    first = main_pid(pod)
+    if first in pids:
+        pids.remove(first)
+        pids.insert(0, first)
+    elif first:
+        pids.insert(0, first)
+    return pids
+
+
+def sigkill_pod(cfg, pod: dict) -> list[int]:
+    """SIGKILL every process of the pod, the container's main process first (so the runtime
+    reports 128+9 = 137 for it, whatever its children do)."""
+    killed = []
+    for pid in pod_pids(cfg, pod):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+# ------------------------------------------------------------------------------ injectors
+
+class Injector:
+    """Injects one fault at a time against `job` in `ns`; the operator is the chart's release
+    `release` in `system_ns` (its pods are found by label, so 1 or 2 replicas both work)."""
+
+    def __init__(self, cfg, kube, ns: str, job: str, system_ns: str, release: str, rng,
+                 minio_outage_s: float = 6.0, log: Callable[[str], None] = print):
+        self.cfg, self.kube, self.ns, self.job = cfg, kube, ns, job
+        self.system_ns, self.release, self.rng = system_ns, release, rng
+        self.minio_outage_s = minio_outage_s
+        self.log = log
+        self.lost_nodes: list[str] = []
+
+    # -- lookups ------------------------------------------------------------------------
+    def job_pods(self, attempt: int | None = None) -> list[dict]:
+        pods = self.kube.get(f"/api/v1/namespaces/{self.ns}/pods",
+                             labelSelector=f"sftjob.io/job-name={self.job}")["items"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")
+                and (p.get("status") or {}).get("phase") == "Running"]
+        if attempt is not None:
+            live = [p for p in live if p["metadata"]["labels"].get("sftjob.io/attempt") == str(attempt)]
+        return sorted(live, key=lambda p: p["metadata"]["name"])
+
+    def operator_pods(self) -> list[dict]:
+        pods = self.kube.get(f"/api/v1/namespaces/{self.system_ns}/pods",
+                             labelSelector=f"app.kubernetes.io/instance={self.release}")["items"]
+        return sorted((p for p in pods if not p["metadata"].get("deletionTimestamp")),
+                      key=lambda p: p["metadata"]["name"])
+
+    def operators_running(self) -> list[dict]:
+        return [p for p in self.operator_pods() if (p.get("status") or {}).get("phase") == "Running"
+                and main_pid(p)]
+
+    def _pick_training_pod(self, attempt: int) -> dict:
+        pods = wait_for(lambda: self.job_pods(attempt), 60, "a running training pod")
+        return self.rng.choice(pods)
+
+    # -- the faults ---------------------------------------------------------------------
+    def inject(self, fault: Fault, attempt: int) -> None:
+        getattr(self, "_" + fault.kind.replace("-", "_"))(fault, attempt)
+
+    def _pod_delete(self, f: Fault, attempt: int) -> None:
+        pod = self._pick_training_pod(attempt)
+        name = pod["metadata"]["name"]
+        f.t = time.time()
+        self.kube.delete(f"/api/v1/namespaces/{self.ns}/pods/{name}")
+        f.target, f.detail = name, "DELETE pods/" + name + " (graceful: SIGTERM, the trainer checkpoints)"
+
+    def _trainer_sigkill(self, f: Fault, attempt: int) -> None:
+        pod = self._pick_training_pod(attempt)
+        f.t = time.time()
+        killed = sigkill_pod(self.cfg, pod)
+        f.target = pod["metadata"]["name"]
+        f.detail = f"SIGKILL pids {killed[:6]}{'...' if len(killed) > 6 else ''} (main {killed[:1]})"
+
+    def _node_lost(self, f: Fault, attempt: int) -> None:
+        pod = self._pick_training_pod(attempt)
+        node = pod["spec"]["nodeName"]
+        f.t = time.time()
+        localcluster.node_lost(node, cfg=self.cfg)
+        self.lost_nodes.append(node)
+        f.target, f.detail = node, f"node_lost({node}) under {pod['metadata']['name']}"
+
+    def restore_nodes(self) -> None:
+        while self.lost_nodes:
+            node = self.lost_nodes.pop()
+            localcluster.node_restore(node, cfg=self.cfg)
+            self.log(f"node_restore({node})")
+
+    def _operator_kill(self, f: Fault, attempt: int) -> None:
+        pods = wait_for(self.operators_running, 180, "a running operator pod")
+        victim = self.rng.choice(pods)
+        f.t = time.time()
+        self._force_delete(victim)
+        f.target = victim["metadata"]["name"]
+        f.detail = f"force-delete (grace 0) 1 of {len(pods)} operator pods"
+        f.extra.update(before=[p["metadata"]["name"] for p in pods], victims=[f.target])
+
+    def _operator_kill_all(self, f: Fault, attempt: int) -> None:
+        pods = wait_for(self.operators_running, 180, "a running operator pod")
+        f.t = time.time()
+        for p in pods:
+            self._force_delete(p)
+        f.target = ",".join(p["metadata"]["name"] for p in pods)
+        f.detail = f"force-delete (grace 0) all {len(pods)} operator pods"
+        f.extra.update(before=[p["metadata"]["name"] for p in pods], victims=[p["metadata"]["name"] for p in pods])
+
+    def _force_delete(self, pod: dict) -> None:
+        try:
+            self.kube.delete(f"/api/v1/namespaces/{self.system_ns}/pods/{pod['metadata']['name']}",
+                             {"gracePeriodSeconds": 0})
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
+    def operators_recovered(self, before: list[str], victims: list[str]) -> bool:
+        """As many operator pods running as before the kill, none of them a killed one."""
+        running = {p["metadata"]["name"] for p in self.operators_running()}
+        return len(running) >= len(before) and not running & set(victims)
+
+    def _minio_outage(self, f: Fault, attempt: int) -> None:
+        f.t = time.time()
+        minio_stop(self.cfg)
+        f.target = "minio"
+        time.sleep(self.minio_outage_s)
+        t = time.time()
+        minio_start(self.cfg)
+        f.detail = (f"MinIO down {time.time() - f.t:.1f}s (stopped {self.minio_outage_s:g}s, "
+                    f"restart took {time.time() - t:.1f}s)")
+
+
+# ------------------------------------------------------------------------------ MinIO
+
+def minio_stop(cfg) -> None:
+    """Stop the cluster's MinIO the way `cluster-down` stops a component (SIGTERM, then SIGKILL)."""
+    lc._stop(cfg, "minio", timeout=10)
+
+
+def minio_start(cfg, timeout: float = 120) -> None:
+    """Start MinIO again exactly as `up` does (same command line, data directory and
+    credentials), and wait until it is live."""
+    sec = lc.ensure_secrets(cfg)
+    argv, env = lc._argv(cfg, "minio", sec)
+    deadline = time.time() + timeout
+    while True:  # the old process may hold the port for a moment after it exited
+        try:
+            lc._start(cfg, "minio", argv, env)
+            break
+        except RuntimeError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.3)
+    lc._wait(cfg, "minio", timeout)
+
+
+def minio_live(cfg) -> bool:
+    try:
+        with urllib.request.urlopen(f"{cfg.s3_endpoint}/minio/health/live", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,143 @@
+"""`make chaos` (hack/chaos) and `make bench-operator` (bench/operator/run.py).
+
+Unit tests cover the pieces that decide pass/fail (fault plan, attribution of restarts to
+faults, the byte-for-byte weight comparison, the benchmark's statistics). The cluster tests
+run a short chaos run (4 faults of 3 kinds, the ones that do not disturb other tests on a
+shared cluster: no MinIO outage, no node loss) and a 50-job benchmark that only checks the
+harness works, not its timings.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_operator_run", REPO / "bench" / "operator" / "run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---------------------------------------------------------------------------------- unit
+
+@pytest.mark.unit
+def test_plan_covers_every_kind_and_is_seeded():
+    from hack.chaos.faults import KINDS
+    from hack.chaos.run import plan_kinds
+
+    kinds = list(KINDS)
+    for seed in range(20):
+        a = plan_kinds(random.Random(seed), kinds, 12)
+        assert a == plan_kinds(random.Random(seed), kinds, 12)
+        assert set(a) == set(kinds) and len(a) == 12
+        assert a[-1] != "minio-outage"
+        assert all(not (x == y == "minio-outage") for x, y in zip(a, a[1:]))
+    short = plan_kinds(random.Random(3), ["pod-delete", "trainer-sigkill", "operator-kill"], 4)
+    assert len(short) == 4 and len(set(short)) == 3
+
+
+@pytest.mark.unit
+def test_restarts_are_attributed_to_the_fault_before_them():
+    from hack.chaos.faults import Fault
+    from hack.chaos.run import attribute
+
+    class Mon:
+        samples: list = []
+
+    f1 = Fault(1, "pod-delete", t=1.0, extra={"before": {"preemptions": 0, "failures": 0}})
+    f2 = Fault(2, "operator-kill", t=2.0, extra={"before": {"preemptions": 1, "failures": 0}})
+    f3 = Fault(3, "trainer-sigkill", t=3.0, extra={"before": {"preemptions": 1, "failures": 0}})
+    attribute([f1, f2, f3], Mon(), {"restarts": {"preemptions": 1, "failures": 1, "total": 2}})
+    assert f1.ok and f2.ok
+    assert not f3.ok and "failures +1" in f3.observed  # a SIGKILL counted as a failure is a miscount
+
+
+@pytest.mark.unit
+def test_weights_compared_byte_for_byte(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from hack.chaos.weights import compare_dirs
+
+    t = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.bfloat16)}
+    for d in ("x", "y", "z"):
+        (tmp_path / d).mkdir()
+    save_file(t, str(tmp_path / "x" / "model.safetensors"))
+    save_file({k: v.clone() for k, v in t.items()}, str(tmp_path / "y" / "model.safetensors"))
+    nudged = dict(t, a=t["a"].clone())
+    nudged["a"][0, 0] = torch.nextafter(nudged["a"][0, 0], torch.tensor(1.0))  # one ulp
+    save_file(nudged, str(tmp_path / "z" / "model.safetensors"))
+    same = compare_dirs(tmp_path / "x", tmp_path / "y")
+    assert same.ok and same.tensors == 2 and same.bytes_compared == 6 * 4 + 4 * 2
+    diff = compare_dirs(tmp_path / "x", tmp_path / "z")
+    assert not diff.ok and diff.differing == ["a"]
+    assert not compare_dirs(tmp_path / "x", tmp_path / "nothing").ok
+
+
+@pytest.mark.unit
+def test_bench_statistics():
+    b = _bench()
+    assert b.pct([1, 2, 3, 4], 50) == 2 and b.pct(list(range(1, 101)), 99) == 99
+    m = {'h_bucket{le="0.1"}': 50.0, 'h_bucket{le="1.0"}': 90.0, 'h_bucket{le="+Inf"}': 100.0,
+         'r_total{result="ok"}': 7.0, 'r_total{result="conflict"}': 2.0}
+    assert b.hist_quantile(m, "h", 0.5) == pytest.approx(0.1)
+    assert 0.1 < b.hist_quantile(m, "h", 0.7) < 1.0
+    assert b.msum(m, "r_total") == 9 and b.msum(m, "r_total", result="ok") == 7
+
+
+# ---------------------------------------------------------------------------------- cluster
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_short_chaos_run(cluster, tmp_path):
+    """4 faults of 3 kinds: the job succeeds with the reference run's weights bit for bit,
+    no committed checkpoint is lost and status.restarts equals the faults by cause."""
+    tag = f"chaos-t-{uuid.uuid4().hex[:5]}"
+    ns, system_ns = tag, f"{tag}-sys"
+    cmd = [sys.executable, "-m", "hack.chaos", "--seed", "5", "--faults", "4", "--min-kinds", "3",
+           "--kinds", "pod-delete,trainer-sigkill,operator-kill", "--steps", "14",
+           "--namespace", ns, "--system-namespace", system_ns, "--release", tag, "--workdir", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, **cluster.env, "OMP_NUM_THREADS": "1"})
+        print(proc.stdout[-6000:])
+        summary = json.loads((tmp_path / "summary.json").read_text()) if (tmp_path / "summary.json").exists() else {}
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert summary["ok"] and summary["weights_identical"] and summary["phase"] == "Succeeded"
+        assert len(summary["faults"]) == 4 and len(summary["kinds"]) == 3
+        assert summary["restarts"]["preemptions"] == summary["expected_preemptions"]
+        assert summary["restarts"]["failures"] == 0
+    finally:
+        cluster.helm("uninstall", tag, "-n", system_ns, "--wait", "--timeout", "120s", check=False)
+        for n in (ns, system_ns):
+            cluster.kubectl("delete", "namespace", n, "--wait=false", check=False)
+
+
+@pytest.mark.cluster
+def test_bench_operator_harness(cluster, tmp_path):
+    """50 jobs on 4 kwok nodes: every measurement is taken (timings are not judged here)."""
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "operator" / "run.py"), "--jobs", "50",
+                           "--kwok-nodes", "4", "--probes", "2", "--observe", "5", "--settle-timeout", "300",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **cluster.env})
+    print(proc.stdout[-4000:])
+    assert proc.returncode in (0, 1), proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert res["pods_seen"] == res["pods_expected"] == 100, res
+    assert res["phases"].get("Running") == 50, res["phases"]
+    for key in ("latency_p50_s", "latency_p99_s", "peak_rss_mb", "steady_state_s", "reconciles_per_s"):
+        assert res[key] == res[key] and res[key] > 0, (key, res[key])  # measured (not NaN)
+    assert len(res["probe_latencies_s"]) == 2 and len(res["idle_probe_latencies_s"]) == 2
+    assert "BENCH-OPERATOR" in proc.stdout
