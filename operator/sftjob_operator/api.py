@@ -26,10 +26,27 @@ PLURAL = "sftjobs"
 SINGULAR = "sftjob"
 SHORT_NAMES = ["sft"]
 
-# A URI the trainer can read or write: an S3 prefix or an absolute path in the pod.
-_URI_RULE = "self.startsWith('s3://') || self.startsWith('/')"
-_URI_MESSAGE = "must be an s3:// URI or an absolute path"
+# A URI the trainer can read or write: s3://BUCKET[/key] (a valid bucket name) or an absolute
+# path in the pod.
+_S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
+_URI_RULE = f"self.startsWith('s3://') ? self.matches('{_S3_URI}') : self.startsWith('/')"
+_URI_MESSAGE = "must be s3://BUCKET[/prefix] with a valid bucket name, or an absolute path"
 _DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+_DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# Label keys (also taint and toleration keys) and label values, as core/v1 validates them.
+_QUALIFIED_NAME = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                   r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+# An environment variable name the kubelet accepts (no '=', no leading digit).
+_ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# Environment the operator sets on every trainer pod (builders._env); a user's entry would
+# silently break the rendezvous or the storage settings, so the API server refuses them.
+RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE", "NPROC_PER_NODE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PYTHONUNBUFFERED",
+                "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
+RESERVED_ENV_PREFIX = "SFTJOB_"
+# Names that carry credentials: these must come from a Secret (valueFrom.secretKeyRef).
+_CREDENTIAL_NAME = r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?|SESSION_TOKEN)(_|$)"
 
 
 def _cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict:
@@ -108,6 +125,12 @@ _DataBase = create_model(  # type: ignore[call-overload]
 class DataSpec(_DataBase):  # type: ignore[misc,valid-type]
     """Training data, tokenization and batching (the trainer's `data` section). Immutable."""
 
+    model_config = ConfigDict(json_schema_extra=_rules(
+        _cel("has(self.messagesKey) || self.promptKey != self.responseKey",
+             "data.responseKey must differ from data.promptKey (the response would be the prompt itself)",
+             field_path=".responseKey"),
+    ))
+
 
 _OptimBase = create_model("_OptimBase", __base__=_Spec, **_derive(OptimConfig))  # type: ignore[call-overload]
 
@@ -134,8 +157,10 @@ OPERATOR_OWNED_TRAINER_FIELDS = ("output_dir", "save_freq", "keep_checkpoints", 
 TRAINING_RUN_FIELDS = [n for n in TrainerConfig.model_fields if n not in OPERATOR_OWNED_TRAINER_FIELDS]
 _TrainingBase = create_model(  # type: ignore[call-overload]
     "_TrainingBase", __base__=_Spec,
-    optim=(OptimSpec, Field(default_factory=OptimSpec, description="Optimizer and learning-rate schedule.")),
-    lora=(LoraSpec, Field(default_factory=LoraSpec, description="LoRA adapters; rank 0 trains all weights.")),
+    # Plain (frozen) defaults rather than factories: the CRD then says `default: {}`, so the
+    # API server fills in the section and its defaults when a spec leaves it out.
+    optim=(OptimSpec, Field(default=OptimSpec(), description="Optimizer and learning-rate schedule.")),
+    lora=(LoraSpec, Field(default=LoraSpec(), description="LoRA adapters; rank 0 trains all weights.")),
     **_derive(TrainerConfig, include=TRAINING_RUN_FIELDS),
 )
 
@@ -147,9 +172,21 @@ class TrainingSpec(_TrainingBase):  # type: ignore[misc,valid-type]
 class Toleration(_Spec):
     """A pod toleration, as in core/v1 Toleration."""
 
-    key: str | None = Field(default=None, description="Taint key the toleration applies to (empty: all keys).")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        _cel("self.operator == 'Exists' || (has(self.key) && self.key != '')",
+             "a toleration without a key must use operator Exists (it then tolerates every taint)",
+             field_path=".operator"),
+        _cel("self.operator != 'Exists' || !has(self.value) || self.value == ''",
+             "a toleration with operator Exists must not set a value", field_path=".value"),
+        _cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+             "tolerationSeconds applies only to effect NoExecute", field_path=".tolerationSeconds"),
+    ))
+
+    key: str | None = Field(default=None, max_length=316, pattern=_QUALIFIED_NAME,
+                            description="Taint key the toleration applies to (empty: all keys).")
     operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: str | None = Field(default=None, description="Taint value to match when operator is Equal.")
+    value: str | None = Field(default=None, max_length=63, pattern=_LABEL_VALUE,
+                              description="Taint value to match when operator is Equal.")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to match (empty: all effects)."
     )
@@ -158,11 +195,53 @@ class Toleration(_Spec):
     )
 
 
-class EnvVar(_Spec):
-    """A plain environment variable for the trainer container (never a credential)."""
+class KeyRef(_Spec):
+    """One key of a Secret or ConfigMap in the job's namespace."""
 
-    name: str = Field(description="Variable name.", min_length=1, max_length=253)
-    value: str = Field(default="", description="Variable value.", max_length=4096)
+    name: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN, description="Object name.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="Key in its data.")
+    optional: bool | None = Field(default=None, description="Start the pod even when the object or key is missing.")
+
+
+class EnvVarSource(_Spec):
+    """Where a variable's value comes from: exactly one of secretKeyRef or configMapKeyRef."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        _cel("has(self.secretKeyRef) != has(self.configMapKeyRef)",
+             "set exactly one of secretKeyRef or configMapKeyRef"),
+    ))
+
+    secret_key_ref: KeyRef | None = Field(default=None, description="A key of a Secret (for credentials).")
+    config_map_key_ref: KeyRef | None = Field(default=None, description="A key of a ConfigMap.")
+
+
+class EnvVar(_Spec):
+    """An environment variable for the trainer container.
+
+    Names the operator sets itself (the rendezvous, storage and SFTJOB_* variables) are
+    refused, and so is a credential-like name (..._TOKEN, ..._SECRET..., ..._API_KEY,
+    ..._PASSWORD, ...) with a plain value: such a value belongs in a Secret, referenced
+    with valueFrom.secretKeyRef, so that it never sits in the SFTJob, its ConfigMap or logs.
+    """
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        _cel("!(has(self.value) && has(self.valueFrom))", "set value or valueFrom, not both",
+             field_path=".valueFrom"),
+        _cel(f"has(self.valueFrom) || !self.name.upperAscii().matches('{_CREDENTIAL_NAME}')",
+             "looks like a credential: put it in a Secret and set valueFrom.secretKeyRef instead of a plain value",
+             field_path=".value"),
+    ))
+
+    name: str = Field(
+        description="Variable name (not one the operator sets: " + ", ".join(RESERVED_ENV)
+        + f", {RESERVED_ENV_PREFIX}*).",
+        min_length=1, max_length=253, pattern=_ENV_NAME,
+        json_schema_extra=_rules(_cel(
+            "!(self in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + f"]) && !self.startsWith('{RESERVED_ENV_PREFIX}')",
+            "is set by the operator for every trainer pod and cannot be overridden")),
+    )
+    value: str | None = Field(default=None, description="Variable value (never a credential).", max_length=4096)
+    value_from: EnvVarSource | None = Field(default=None, description="Take the value from a Secret or ConfigMap key.")
 
 
 class ResourcesSpec(_Spec):
@@ -174,27 +253,48 @@ class ResourcesSpec(_Spec):
         description="Trainer processes per pod (torchrun --nproc-per-node), usually the GPUs per pod. Immutable.",
     )
     gpus_per_node: int = Field(default=0, ge=0, le=64, description="nvidia.com/gpu limit per pod (0: CPU training).")
-    cpu: int | str | None = Field(default=None, description="CPU request per pod (a Kubernetes quantity, e.g. 8 or 500m).")
-    memory: str | None = Field(default=None, description="Memory request and limit per pod (a quantity, e.g. 64Gi).")
+    cpu: int | str | None = Field(
+        default=None, description="CPU request per pod (a Kubernetes quantity, e.g. 8 or 500m).",
+        json_schema_extra={"maxLength": 64, **_rules(_cel(
+            "type(self) == string ? isQuantity(self) && quantity(self).isGreaterThan(quantity('0')) : self > 0",
+            "must be a positive Kubernetes quantity, e.g. 8 or 500m"))},
+    )
+    memory: str | None = Field(
+        default=None, max_length=64, description="Memory request and limit per pod (a quantity, e.g. 64Gi).",
+        json_schema_extra=_rules(_cel("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
+                                      "must be a positive Kubernetes quantity, e.g. 64Gi or 512Mi")),
+    )
     image: str = Field(
-        default="ghcr.io/sftjob/trainer:0.1.0", min_length=1, description="Trainer container image."
+        default="ghcr.io/sftjob/trainer:0.1.0", min_length=1, max_length=1024, pattern=r"^[^\s]+$",
+        description="Trainer container image.",
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         default="IfNotPresent", description="Image pull policy of the trainer container."
     )
-    node_selector: dict[str, str] | None = Field(default=None, description="Node labels the pods must match.")
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Node labels the pods must match.",
+        json_schema_extra={"maxProperties": 64, "additionalProperties": {"type": "string", "maxLength": 63}, **_rules(
+            _cel(f"self.all(k, k.size() <= 316 && k.matches('{_QUALIFIED_NAME}'))",
+                 "every key must be a valid label key ([prefix/]name, name of at most 63 alphanumerics, '-', '_', '.')"),
+            _cel(f"self.all(k, self[k].matches('{_LABEL_VALUE}'))",
+                 "every value must be a valid label value (at most 63 alphanumerics, '-', '_', '.')"))},
+    )
     tolerations: list[Toleration] | None = Field(default=None, description="Tolerations of the pods.", max_length=64)
-    priority_class_name: str | None = Field(default=None, description="PriorityClass of the pods.")
+    priority_class_name: str | None = Field(default=None, max_length=253, pattern=_DNS_SUBDOMAIN,
+                                            description="PriorityClass of the pods.")
     scheduler_name: str | None = Field(
-        default=None, description="Scheduler of the pods (e.g. a gang scheduler); empty: the default scheduler."
+        default=None, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="Scheduler of the pods (e.g. a gang scheduler); empty: the default scheduler.",
     )
     service_account_name: str | None = Field(
-        default=None, description="ServiceAccount the pods run as (e.g. one bound to a cloud storage role)."
+        default=None, max_length=253, pattern=_DNS_SUBDOMAIN,
+        description="ServiceAccount the pods run as (e.g. one bound to a cloud storage role).",
     )
     env: list[EnvVar] | None = Field(
         default=None, max_length=64,
-        description="Extra environment variables for the trainer. Credentials belong in "
-        "storage.credentialsSecretRef, never here.",
+        description="Extra environment variables for the trainer, unique by name. Storage credentials "
+        "belong in storage.credentialsSecretRef; other credentials in valueFrom.secretKeyRef.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
 
 
@@ -205,22 +305,53 @@ class SecretRef(_Spec):
                       description="Secret name.")
 
 
+class ClaimRef(_Spec):
+    """A PersistentVolumeClaim in the job's namespace."""
+
+    claim_name: str = Field(min_length=1, max_length=253, pattern=_DNS_SUBDOMAIN, description="The claim's name.")
+
+
 class StorageSpec(_Spec):
     """Where the job writes checkpoints and the exported model, and how to reach object storage.
 
     Credentials are only ever read from a Secret (`credentialsSecretRef`): fields such as
     accessKey do not exist, so `kubectl apply` rejects them as unknown fields.
+
+    A path `uri` must live on a volume that outlives the pods: `persistentVolumeClaim` is
+    then required and is mounted at `uri` on every rank (ReadWriteMany for several nodes).
+    Without it the checkpoints and the model would vanish with each container.
     """
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        _cel("self.uri.startsWith('s3://') || has(self.persistentVolumeClaim)",
+             "a path storage.uri needs storage.persistentVolumeClaim (mounted at that path on every rank); "
+             "without a volume the checkpoints and the model would vanish with the pods",
+             field_path=".persistentVolumeClaim"),
+        _cel("!has(self.persistentVolumeClaim) || !self.uri.startsWith('s3://')",
+             "storage.persistentVolumeClaim applies only to a path storage.uri, not s3://",
+             field_path=".persistentVolumeClaim"),
+        _cel("self.uri.startsWith('s3://') || (self.uri.matches('^/[^/]') && !self.uri.startsWith('/etc/sftjob')"
+             " && !self.uri.startsWith('/dev/'))",
+             "a path storage.uri must be a directory below / (not /, /dev/... or /etc/sftjob), where the claim "
+             "is mounted", field_path=".uri"),
+    ))
 
     uri: str = Field(
         min_length=1, max_length=1024,
-        description="Root for this job's outputs: s3://bucket/prefix or an absolute path. The job "
-        "writes under <uri>/<namespace>/<name>/<uid>/ (checkpoints/, hf/final/, metrics.jsonl).",
+        description="Root for this job's outputs: s3://bucket/prefix, or an absolute path on "
+        "persistentVolumeClaim. The job writes under <uri>/<namespace>/<name>/<uid>/ (checkpoints/, "
+        "hf/final/, metrics.jsonl).",
         json_schema_extra=_rules(_cel(_URI_RULE, _URI_MESSAGE)),
     )
+    persistent_volume_claim: ClaimRef | None = Field(
+        default=None,
+        description="Volume for a path uri: the claim is mounted at uri on every rank, so checkpoints "
+        "and the model survive the pods. Several nodes need a ReadWriteMany claim (NFS, CephFS, Lustre, ...).",
+    )
     endpoint: str | None = Field(
-        default=None, max_length=1024, pattern=r"^https?://",
-        description="S3 endpoint URL for S3-compatible stores such as MinIO (sets AWS_ENDPOINT_URL); empty: AWS.",
+        default=None, max_length=1024, pattern=r"^https?://[^/\s:?#@]+(:[0-9]{1,5})?(/[^\s]*)?$",
+        description="S3 endpoint URL with a host, e.g. http://minio.storage:9000, for S3-compatible stores such as "
+        "MinIO (sets AWS_ENDPOINT_URL); empty: AWS.",
     )
     region: str | None = Field(default=None, max_length=64, description="S3 region (sets AWS_REGION).")
     credentials_secret_ref: SecretRef | None = Field(
@@ -274,7 +405,14 @@ class RunPolicy(_Spec):
     startup_deadline_seconds: int = Field(
         default=600, ge=1,
         description="Fail the job when its pods are not all running this long after they were created "
-        "(unschedulable, ImagePullBackOff, ...).",
+        "(unschedulable, ImagePullBackOff, a missing Secret, ...); the job's conditions say what they wait for.",
+    )
+    progress_deadline_seconds: int | None = Field(
+        default=1800, ge=60,
+        description="Hang watchdog: once a gang attempt has made its first step, restart the gang (counted as a "
+        "failure, reason ProgressDeadlineExceeded) when status.progress.step has not advanced for this long, "
+        "e.g. a rank stuck in a collective. Not applied after the last step (final validation and export). "
+        "Unset: no watchdog.",
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None, ge=0, description="Delete the SFTJob (and its pods) this long after it succeeded or failed."
@@ -315,14 +453,16 @@ class SFTJobSpec(_Spec):
                              json_schema_extra=_rules(_cel(_IMMUTABLE, "model is immutable")))
     data: DataSpec = Field(description="Training data and batching. Immutable.",
                            json_schema_extra=_rules(_cel(_IMMUTABLE, "data is immutable")))
-    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Training hyper-parameters. Immutable.",
+    # Sections a minimal spec may leave out have plain (frozen) defaults, not factories: the
+    # CRD then carries `default: {}`, and the API server fills in each section and its fields.
+    training: TrainingSpec = Field(default=TrainingSpec(), description="Training hyper-parameters. Immutable.",
                                    json_schema_extra=_rules(_cel(_IMMUTABLE, "training is immutable")))
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="Gang shape and placement.")
+    resources: ResourcesSpec = Field(default=ResourcesSpec(), description="Gang shape and placement.")
     storage: StorageSpec = Field(description="Where outputs go and how to reach object storage. Immutable.",
                                  json_schema_extra=_rules(_cel(_IMMUTABLE, "storage is immutable")))
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint interval and retention.")
-    output: OutputSpec = Field(default_factory=OutputSpec, description="The exported model.")
-    run_policy: RunPolicy = Field(default_factory=RunPolicy, description="Restarts, deadlines and clean-up.")
+    checkpoint: CheckpointSpec = Field(default=CheckpointSpec(), description="Checkpoint interval and retention.")
+    output: OutputSpec = Field(default=OutputSpec(), description="The exported model.")
+    run_policy: RunPolicy = Field(default=RunPolicy(), description="Restarts, deadlines and clean-up.")
     suspend: bool = Field(
         default=False,
         description="True stops the pods gracefully (they checkpoint first); false again resumes from the checkpoint.",
@@ -366,6 +506,7 @@ class Progress(_Spec):
     tokens_per_second: float | None = Field(default=None, description="Latest training throughput (all ranks).")
     last_checkpoint_step: int | None = Field(default=None, description="Step of the newest committed checkpoint.")
     summary: str | None = Field(default=None, description="step/totalSteps, as shown by kubectl get.")
+    last_step_time: str | None = Field(default=None, description="When step last advanced (RFC 3339).")
     updated_time: str | None = Field(default=None, description="When these values were last read (RFC 3339).")
 
 

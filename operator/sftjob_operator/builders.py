@@ -79,7 +79,11 @@ def output_dir(job: JobRef, spec: api.SFTJobSpec) -> str:
 
 
 def model_uri(job: JobRef, spec: api.SFTJobSpec) -> str:
-    """The exported Hugging Face model (docs/trainer-contract.md: hf/final)."""
+    """The exported Hugging Face model (docs/trainer-contract.md): hf/final, or for a LoRA run
+    exported without merging (output.mergeLora false) the adapter in hf/adapter, the only
+    model such a run writes."""
+    if spec.training.lora.rank > 0 and not spec.output.merge_lora:
+        return f"{output_dir(job, spec)}/hf/adapter"
     return f"{output_dir(job, spec)}/hf/final"
 
 
@@ -227,8 +231,14 @@ def _env(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int, master_port
             {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
             for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
         ]
-    env += [{"name": e.name, "value": e.value} for e in res.env or []]
+    env += [_user_env(e) for e in res.env or []]
     return env
+
+
+def _user_env(var: api.EnvVar) -> dict[str, Any]:
+    if var.value_from is None:
+        return {"name": var.name, "value": var.value or ""}
+    return {"name": var.name, "valueFrom": var.value_from.model_dump(by_alias=True, exclude_none=True)}
 
 
 def _resources(spec: api.SFTJobSpec) -> dict[str, Any]:
@@ -276,6 +286,11 @@ def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
     if resources:
         container["resources"] = resources
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map_name(job)}}]
+    if spec.storage.persistent_volume_claim:
+        # A path storage.uri lives on the user's claim, mounted at that path on every rank.
+        container["volumeMounts"].append({"name": "storage", "mountPath": spec.storage.uri.rstrip("/")})
+        volumes.append({"name": "storage",
+                        "persistentVolumeClaim": {"claimName": spec.storage.persistent_volume_claim.claim_name}})
     if res.gpus_per_node:
         # NCCL's shared-memory transport outgrows the container runtime's 64 MiB /dev/shm.
         container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})

@@ -42,6 +42,12 @@ REASON_SUSPENDED = "JobSuspended"
 REASON_RESUMED = "JobResumed"
 REASON_RESTART_PREEMPTION = "RestartingAfterPreemption"
 REASON_RESTART_FAILURE = "RestartingAfterFailure"
+REASON_INVALID_CONFIG = "InvalidConfig"
+REASON_POD_REJECTED = "PodRejected"                  # the API server refused to create a pod
+REASON_QUOTA_EXCEEDED = "QuotaExceeded"
+REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
+REASON_TERMINATING = "WaitingForPodsToTerminate"
+REASON_FORCE_DELETED = "ForceDeletedPod"
 
 MAX_MESSAGE = 2000
 

@@ -161,9 +161,16 @@ def crd() -> dict[str, Any]:
 HEADER = "# Generated from operator/sftjob_operator/api.py by `make crds`; do not edit by hand.\n"
 
 
+class _NoAliases(yaml.SafeDumper):
+    """Repeated sub-schemas are written out in full: anchors would only puzzle readers."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def render() -> str:
     """The CRD as the YAML text committed in crds/."""
-    return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=100)
+    return HEADER + yaml.dump(crd(), Dumper=_NoAliases, sort_keys=False, width=100)
 
 
 def main() -> None:

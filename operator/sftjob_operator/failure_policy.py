@@ -1,12 +1,20 @@
 """Failure policy: what a lost or finished pod means for the gang.
 
-A gang either keeps running, succeeds (every rank exited 0), or must be restarted as a
-whole. Restarts have two causes counted apart: *preemption* (the pod was taken away or
-signalled: eviction, DisruptionTarget, node loss, deletion, exit >= 128, the trainer's
-"Preempted" message), which spends `runPolicy.preemptionLimit`, and *failure* (the trainer
-exited 1..127), which spends `runPolicy.backoffLimit`. A deterministic error (exit 2,
-invalid data) would fail again, so it still spends the failure budget; the budget is what
-turns it into a Failed job quickly when backoffLimit is 0.
+A gang either keeps running, succeeds (every rank exited 0), fails for good, or must be
+restarted as a whole. Restarts have two causes counted apart: *preemption* (the pod was
+taken away or signalled: eviction, DisruptionTarget, node loss, deletion, exit >= 128, the
+trainer's "Preempted" message), which spends `runPolicy.preemptionLimit`, and *failure*
+(the trainer exited 1 or 3..127, or was OOM-killed), which spends `runPolicy.backoffLimit`.
+
+A deterministic error (exit 2, or the trainer's InvalidConfig/InvalidData message) would
+fail the same way on every attempt, so it fails the job at once without spending the
+budget: retrying cannot help, and a human has to change the spec or the data.
+
+When one rank is taken away from outside (deleted, evicted, its node lost, SIGTERM) its
+peers lose their collective and exit with a generic error a moment later. Such a generic
+failure beside an outside preemption is the preemption's consequence and is counted as a
+preemption; a deterministic failure still wins over everything, and an exit >= 128 with no
+outside evidence (torchrun killing its workers after a peer crashed) is no such evidence.
 
 Exit codes and the termination message follow docs/trainer-contract.md.
 """
@@ -22,6 +30,8 @@ MAX_RESTART_BACKOFF_S = 300.0
 
 # Termination-message reasons written by the trainer (docs/trainer-contract.md).
 TRAINER_FAILURE_REASONS = {"InvalidConfig", "InvalidData", "TrainingError"}
+TRAINER_PERMANENT_REASONS = {"InvalidConfig", "InvalidData"}
+PERMANENT_EXIT_CODE = 2   # "invalid config or data; retrying cannot help"
 TRAINER_PREEMPTED_REASON = "Preempted"
 # pod.status.reason values set when the pod itself was taken away, not when it failed.
 PREEMPTED_POD_REASONS = {"Evicted", "NodeLost", "Shutdown", "NodeShutdown", "Terminated",
@@ -48,6 +58,12 @@ class PodOutcome:
     reason: str = ""
     message: str = ""
     exit_code: int | None = None
+    permanent: bool = False   # FAILED only: the same spec and data would fail again
+
+    @property
+    def taken_from_outside(self) -> bool:
+        """A preemption with evidence that something outside the gang stopped this pod."""
+        return self.state is State.PREEMPTED and self.reason != c.REASON_SIGNALLED
 
 
 def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
@@ -58,12 +74,20 @@ def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _waiting_reason(pod: dict[str, Any]) -> str:
+def _waiting(pod: dict[str, Any]) -> tuple[str, str]:
+    """Why a container of the pod waits (reason, message), e.g. a missing Secret."""
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting")
-        if waiting and waiting.get("reason"):
-            return waiting["reason"]
-    return ""
+        if waiting and waiting.get("reason") and waiting["reason"] != "ContainerCreating":
+            return waiting["reason"], waiting.get("message", "")
+    return "", ""
+
+
+def _unschedulable(pod: dict[str, Any]) -> tuple[str, str]:
+    cond = _condition(pod, "PodScheduled")
+    if cond and cond.get("status") == "False" and cond.get("reason"):
+        return cond["reason"], cond.get("message", "")
+    return "", ""
 
 
 def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
@@ -108,6 +132,9 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
     if phase == "Failed":
         if t_reason == TRAINER_PREEMPTED_REASON:
             return PodOutcome(State.PREEMPTED, c.REASON_PREEMPTED, t_message, exit_code)
+        if t_reason in TRAINER_PERMANENT_REASONS or exit_code == PERMANENT_EXIT_CODE:
+            return PodOutcome(State.FAILED, t_reason or c.REASON_INVALID_CONFIG,
+                              t_message or "the trainer exited 2: invalid config or data", exit_code, permanent=True)
         if t_reason in TRAINER_FAILURE_REASONS:
             return PodOutcome(State.FAILED, t_reason, t_message, exit_code)
         if term and term.get("reason") == "OOMKilled":
@@ -126,13 +153,17 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
                           f"node {pod.get('spec', {}).get('nodeName')} is not ready")
     if phase == "Running":
         return PodOutcome(State.RUNNING)
-    return PodOutcome(State.PENDING, _waiting_reason(pod) or status.get("reason") or "")
+    reason, message = _waiting(pod)
+    if not reason:
+        reason, message = _unschedulable(pod)
+    return PodOutcome(State.PENDING, reason or status.get("reason") or "", message or status.get("message") or "")
 
 
 class Verdict(enum.Enum):
     STARTING = "Starting"      # some pods not running yet, none lost
     RUNNING = "Running"        # every rank is running (or already finished with 0)
     SUCCEEDED = "Succeeded"    # every rank exited 0
+    FAILED = "Failed"          # a deterministic failure: the job fails without a retry
     RESTART_PREEMPTED = "RestartPreempted"
     RESTART_FAILED = "RestartFailed"
 
@@ -142,35 +173,47 @@ class GangVerdict:
     verdict: Verdict
     reason: str = ""
     message: str = ""
-    stuck_reason: str = ""  # e.g. ImagePullBackOff, for the startup-deadline message
+    stuck_reason: str = ""   # STARTING: why a pod waits (ImagePullBackOff, Unschedulable, ...)
+    stuck_message: str = ""  # ... and the kubelet's or scheduler's words for it
 
 
 def judge_gang(outcomes: dict[int, PodOutcome | None], nodes: int) -> GangVerdict:
     """Judge the current gang from each rank's outcome (None: the rank's pod is gone).
 
-    A permanent failure anywhere wins over preemptions elsewhere (the failing rank often
-    takes its peers down with it); a missing pod is a preemption.
+    Precedence (module docstring): a deterministic failure; then a preemption from outside
+    (its peers' generic failures are its consequence); then a failure; then any other
+    preemption. A missing pod is a preemption from outside.
     """
-    failed = [(r, o) for r, o in sorted(outcomes.items()) if o and o.state is State.FAILED]
-    if failed:
+    ranked = sorted(outcomes.items())
+    failed = [(r, o) for r, o in ranked if o and o.state is State.FAILED]
+    permanent = [(r, o) for r, o in failed if o.permanent]
+    if permanent:
+        rank, o = permanent[0]
+        return GangVerdict(Verdict.FAILED, o.reason, f"rank {rank}: {o.message}")
+    lost = [(r, o) for r, o in ranked if o is None or o.state is State.PREEMPTED]
+    lost += [(r, None) for r in range(nodes) if r not in outcomes]
+    outside = [(r, o) for r, o in lost if o is None or o.taken_from_outside]
+    if failed and not outside:
         rank, o = failed[0]
         return GangVerdict(Verdict.RESTART_FAILED, o.reason, f"rank {rank}: {o.message}")
-    lost = [(r, o) for r, o in sorted(outcomes.items()) if o is None or o.state is State.PREEMPTED]
-    missing = [r for r in range(nodes) if r not in outcomes]
-    if lost or missing:
-        if lost:
-            rank, o = lost[0]
-            reason = o.reason if o else c.REASON_POD_DELETED
-            message = o.message if o else "the pod disappeared"
-        else:
-            rank, reason, message = missing[0], c.REASON_POD_DELETED, "the pod disappeared"
-        return GangVerdict(Verdict.RESTART_PREEMPTED, reason, f"rank {rank}: {message}")
+    if lost:
+        rank, o = (outside or lost)[0]
+        reason = o.reason if o else c.REASON_POD_DELETED
+        message = f"rank {rank}: {o.message if o else 'the pod disappeared'}"
+        if failed:
+            message += f"; rank {failed[0][0]} then failed ({failed[0][1].reason}), counted with the preemption"
+        return GangVerdict(Verdict.RESTART_PREEMPTED, reason, message)
     states = [o.state for o in outcomes.values() if o]
     if all(s is State.SUCCEEDED for s in states):
         return GangVerdict(Verdict.SUCCEEDED)
     if any(s is State.PENDING for s in states):
-        stuck = next((o.reason for o in outcomes.values() if o and o.reason in STUCK_WAITING_REASONS), "")
-        return GangVerdict(Verdict.STARTING, stuck_reason=stuck)
+        waiting = [(r, o) for r, o in ranked if o and o.state is State.PENDING and o.reason]
+        stuck = next(((r, o) for r, o in waiting if o.reason in STUCK_WAITING_REASONS), None) or \
+            next(iter(waiting), None)
+        if stuck is None:
+            return GangVerdict(Verdict.STARTING)
+        return GangVerdict(Verdict.STARTING, stuck_reason=stuck[1].reason,
+                           stuck_message=f"rank {stuck[0]}: {stuck[1].message}" if stuck[1].message else "")
     return GangVerdict(Verdict.RUNNING)
 
 

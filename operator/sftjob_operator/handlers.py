@@ -20,7 +20,7 @@ import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import api, builders, metrics, progress, reconcile
+from . import api, builders, metrics, progress, reconcile, rejections
 from .kube import Conflict, Kube
 
 log = logging.getLogger("sftjob_operator")
@@ -39,6 +39,7 @@ class Runtime:
     kube: Kube
     namespaces: list[str] | None
     session: aiohttp.ClientSession | None = None
+    scraper: progress.Scraper | None = None
     due: dict[Key, float] = field(default_factory=dict)
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     phases: metrics.PhaseBook = field(default_factory=metrics.PhaseBook)
@@ -86,6 +87,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.posting.level = logging.WARNING
     rt = Runtime(kube=Kube(), namespaces=CONFIG["namespaces"])
     rt.session = aiohttp.ClientSession()
+    # Progress is read in the background: a reconcile never waits on a trainer's endpoint,
+    # so one unreachable pod cannot delay another job's reconcile.
+    rt.scraper = progress.Scraper(rt.session, on_change=rt.enqueue)
     rt.task = asyncio.create_task(_scheduler(rt), name="sftjob-scheduler")
     memo["sftjob"] = rt
 
@@ -97,6 +101,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         return
     if rt.task:
         rt.task.cancel()
+    if rt.scraper:
+        rt.scraper.close()
     if rt.session:
         await rt.session.close()
 
@@ -124,6 +130,8 @@ def on_job_event(event: dict[str, Any], namespace: str, name: str, memo: kopf.Me
         rt.phases.set((namespace, name), None)
         rt.due.pop((namespace, name), None)
         rt.locks.pop((namespace, name), None)
+        if rt.scraper:
+            rt.scraper.forget((namespace, name))
 
 
 @kopf.on.event("", "v1", "pods", labels={builders.LABEL_JOB: kopf.PRESENT})
@@ -175,14 +183,19 @@ def _rank0(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] |
     return None
 
 
-async def _observe(rt: Runtime, body: dict[str, Any], pods: list[dict[str, Any]]):
+async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[str, Any]]):
     nodes = {p["spec"].get("nodeName") for p in pods
              if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") in ("Pending", "Running")}
     node_ready = await rt.kube.node_ready(nodes) if nodes else {}
     scraped = None
     rank0 = _rank0(body, pods)
-    if rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP") and rt.session:
-        scraped = await progress.scrape(rt.session, rank0["status"]["podIP"], builders.METRICS_PORT)
+    if rt.scraper is None:
+        pass
+    elif rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP"):
+        url = f"http://{rank0['status']['podIP']}:{builders.METRICS_PORT}/metrics"
+        scraped = rt.scraper.want(key, rank0["metadata"]["uid"], url)
+    else:
+        rt.scraper.forget(key)
     return node_ready, scraped
 
 
@@ -216,8 +229,25 @@ async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
         rt.phases.set(key, None)
         return None
     pods = await rt.kube.list_pods(namespace, name)
-    node_ready, scraped = await _observe(rt, body, pods)
+    node_ready, scraped = await _observe(rt, key, body, pods)
     plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped)
+    rejection = await _apply(rt, key, body, plan)
+    if rejection is not None:
+        # The API server refused a pod: decide again with that knowledge (fail naming the
+        # field, or wait for quota) from the status just written.
+        body = await rt.kube.get_job(namespace, name)
+        if body is None:
+            return plan
+        pods = await rt.kube.list_pods(namespace, name)
+        plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection)
+        await _apply(rt, key, body, plan)
+    return plan
+
+
+async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: reconcile.Plan) -> rejections.Rejection | None:
+    """Carry out one plan: status first, then deletions, creations, events. Returns the
+    API server's refusal of a pod, when there was one (nothing after the launch is done)."""
+    namespace, name = key
     if plan.status is not None:
         before = body.get("status") or {}
         body = await rt.kube.patch_status(body, plan.status)  # state first, then act on it
@@ -227,20 +257,32 @@ async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
     if plan.delete_pods:
         log.info("%s/%s: deleting pods %s", namespace, name, plan.delete_pods)
     await asyncio.gather(*(rt.kube.delete_pod(namespace, p) for p in plan.delete_pods))
+    if plan.force_delete_pods:
+        log.warning("%s/%s: force-deleting pods on lost nodes %s", namespace, name, plan.force_delete_pods)
+    await asyncio.gather(*(rt.kube.delete_pod(namespace, p, grace_period_seconds=0) for p in plan.force_delete_pods))
     if plan.launch:
         job = builders.JobRef.from_body(body)
         spec = builders.parse_spec(body["spec"])
         await rt.kube.create(builders.build_service(job))
         await rt.kube.apply_config_map(builders.build_config_map(job, spec))
         log.info("%s/%s: creating pods %s", namespace, name, [p["metadata"]["name"] for p in plan.launch])
-        created = await asyncio.gather(*(rt.kube.create(p) for p in plan.launch))
-        metrics.PODS_CREATED.inc(sum(created))
+        created = await asyncio.gather(*(rt.kube.create(p) for p in plan.launch), return_exceptions=True)
+        metrics.PODS_CREATED.inc(sum(1 for ok in created if ok is True))
+        for pod, result in zip(plan.launch, created):
+            if isinstance(result, ApiException) and result.status in rejections.REFUSALS:
+                rej = rejections.from_api_error(result.status, result.body, pod, spec)
+                log.warning("%s/%s: %s", namespace, name, rej.message)
+                metrics.RECONCILE_ERRORS.labels(kind=f"refused{result.status}").inc()
+                return rej
+        errors = [r for r in created if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
         existing = [p["metadata"]["name"] for p, ok in zip(plan.launch, created) if not ok]
         if existing and not await rt.kube.pods_owned_by(namespace, existing, job.uid):
             # A pod of a deleted job with the same name still exists (garbage collection
             # has not caught up): the gang is not launched until it is gone.
             rt.enqueue(key, 1.0)
-            return plan
+            return None
         await rt.kube.merge_status(namespace, name, plan.launched_status or {})
     if plan.delete_job:
         await rt.kube.delete_job(namespace, name, body["metadata"]["uid"])
@@ -251,7 +293,10 @@ async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
             log.info("event %s for %s/%s not posted: %s", ev.reason, namespace, name, err.reason)
     if plan.restart_cause:
         metrics.RESTARTS.labels(cause=plan.restart_cause).inc()
-    rt.phases.set(key, (plan.status or body.get("status") or {}).get("phase"))
+    phase = (plan.status or body.get("status") or {}).get("phase")
+    rt.phases.set(key, phase)
+    if phase in reconcile.TERMINAL and rt.scraper:
+        rt.scraper.forget(key)
     if plan.requeue_after is not None and not plan.delete_job:
         rt.enqueue(key, plan.requeue_after)
-    return plan
+    return None

@@ -18,6 +18,15 @@ from . import api
 from .builders import LABEL_JOB
 
 
+# (connect, read) seconds for every API call: a call that hangs (a half-open connection, an
+# overloaded API server) fails and is retried instead of freezing its job's reconcile for good.
+API_TIMEOUT = (5.0, 30.0)
+
+
+def _run(fn, *args, **kwargs):
+    return asyncio.to_thread(fn, *args, _request_timeout=API_TIMEOUT, **kwargs)
+
+
 class Conflict(Exception):
     """The object changed since it was read; re-read and try again."""
 
@@ -42,7 +51,7 @@ class Kube:
 
     @staticmethod
     async def _call(fn, *args, **kwargs) -> Any:
-        resp = await asyncio.to_thread(fn, *args, _preload_content=False, **kwargs)
+        resp = await _run(fn, *args, _preload_content=False, **kwargs)
         data = resp.data
         return json.loads(data) if data else None
 
@@ -73,7 +82,7 @@ class Kube:
         patch_status = {**{k: None for k in old if k not in status and k != "kopf"}, **status}
         patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch_status}
         try:
-            return await asyncio.to_thread(
+            return await _run(
                 self.custom.patch_namespaced_custom_object_status,
                 api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"], patch)
         except ApiException as err:
@@ -82,14 +91,14 @@ class Kube:
             raise
 
     async def merge_status(self, namespace: str, name: str, fields: dict[str, Any]) -> None:
-        await asyncio.to_thread(self.custom.patch_namespaced_custom_object_status,
+        await _run(self.custom.patch_namespaced_custom_object_status,
                                 api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": fields})
 
     async def delete_job(self, namespace: str, name: str, uid: str) -> None:
         body = kubernetes.client.V1DeleteOptions(propagation_policy="Background",
                                                  preconditions=kubernetes.client.V1Preconditions(uid=uid))
         try:
-            await asyncio.to_thread(self.custom.delete_namespaced_custom_object,
+            await _run(self.custom.delete_namespaced_custom_object,
                                     api.GROUP, api.VERSION, namespace, api.PLURAL, name, body=body)
         except ApiException as err:
             if err.status not in (404, 409):
@@ -106,7 +115,7 @@ class Kube:
         fn = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
               "ConfigMap": self.core.create_namespaced_config_map}[manifest["kind"]]
         try:
-            await asyncio.to_thread(fn, ns, manifest)
+            await _run(fn, ns, manifest)
             return True
         except ApiException as err:
             if err.status == 409:
@@ -117,7 +126,7 @@ class Kube:
         """Create the ConfigMap, or bring its data up to date (the grace period may change)."""
         if not await self.create(manifest):
             meta = manifest["metadata"]
-            await asyncio.to_thread(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"],
+            await _run(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"],
                                     {"data": manifest["data"]})
 
     async def pods_owned_by(self, namespace: str, names: list[str], uid: str) -> bool:
@@ -133,9 +142,11 @@ class Kube:
                 return False
         return True
 
-    async def delete_pod(self, namespace: str, name: str) -> None:
+    async def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
+        """Delete a pod (its own grace period, or `grace_period_seconds`: 0 for a pod on a
+        lost node, which no kubelet will ever confirm)."""
         try:
-            await asyncio.to_thread(self.core.delete_namespaced_pod, name, namespace)
+            await _run(self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=grace_period_seconds)
         except ApiException as err:
             if err.status != 404:
                 raise
@@ -178,4 +189,4 @@ class Kube:
             "reportingInstance": "sftjob-operator",
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        await asyncio.to_thread(self.core.create_namespaced_event, meta["namespace"], event)
+        await _run(self.core.create_namespaced_event, meta["namespace"], event)

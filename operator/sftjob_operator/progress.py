@@ -2,13 +2,19 @@
 
 The operator, not the training pods, does the reading (an HTTP GET of the pod IP), so the
 pods need no RBAC at all. Metric names are those of docs/trainer-contract.md.
+
+The endpoint is the user's pod, so nothing it serves may hurt the operator: a response is
+read up to MAX_BYTES and parsed off the event loop, values that are not finite are
+dropped, and reads happen in a background `Scraper` (bounded concurrency, back-off for
+endpoints that do not answer), never inside a reconcile: one unreachable pod cannot delay
+another job.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
-from typing import Any
+from typing import Any, Callable, Hashable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +31,11 @@ METRICS: dict[str, tuple[str, type]] = {
     "sftjob_trainer_last_checkpoint_step": ("lastCheckpointStep", int),
 }
 SCRAPE_TIMEOUT_S = 3.0
+CONNECT_TIMEOUT_S = 1.0
+MAX_BYTES = 1 << 20          # a trainer serves a few KiB; more is not a trainer's endpoint
+SCRAPE_INTERVAL_S = 5.0
+MAX_BACKOFF_S = 20.0         # an endpoint that does not answer is tried less often
+MAX_CONCURRENT = 32
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -32,7 +43,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in METRICS and not math.isnan(sample.value):
+            if sample.name in METRICS and math.isfinite(sample.value):
                 key, kind = METRICS[sample.name]
                 out[key] = kind(round(sample.value, 6)) if kind is float else kind(sample.value)
     return out
@@ -53,27 +64,82 @@ def merge(progress: dict[str, Any], metrics: dict[str, float], now: str) -> dict
         # its gauges read 0 until then and would wipe the last known progress.
         return progress
     new = {**progress, **metrics}
+    if metrics.get("step") is not None and metrics.get("step") != progress.get("step"):
+        new["lastStepTime"] = now  # what the hang watchdog (runPolicy.progressDeadlineSeconds) reads
     if "loss" in new and new["loss"] is not None:
         new["loss"] = round(float(new["loss"]), 4)
     if "tokensPerSecond" in new and new["tokensPerSecond"] is not None:
         new["tokensPerSecond"] = round(float(new["tokensPerSecond"]), 1)
     new["summary"] = summary(new)
     new = {k: v for k, v in new.items() if v is not None}
-    before = {k: v for k, v in progress.items() if k != "updatedTime"}
-    after = {k: v for k, v in new.items() if k != "updatedTime"}
+    before = {k: v for k, v in progress.items() if k not in ("updatedTime", "lastStepTime")}
+    after = {k: v for k, v in new.items() if k not in ("updatedTime", "lastStepTime")}
     if before != after:
         new["updatedTime"] = now
     return new
 
 
-async def scrape(session: aiohttp.ClientSession, host: str, port: int) -> dict[str, float] | None:
-    """GET http://host:port/metrics; None when the trainer is not serving yet."""
-    url = f"http://{host}:{port}/metrics"
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    """GET url (a trainer's /metrics); None when it is not serving (yet) or serves junk."""
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S)
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as resp:
+        async with session.get(url, timeout=timeout) as resp:
             if resp.status != 200:
                 return None
-            return parse_metrics(await resp.text())
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
+            body = await resp.content.read(MAX_BYTES + 1)
+        if len(body) > MAX_BYTES:
+            log.info("scrape %s: response larger than %d bytes, ignored", url, MAX_BYTES)
+            return None
+        return await asyncio.to_thread(parse_metrics, body.decode("utf-8", "replace"))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OverflowError) as err:
         log.debug("scrape %s failed: %s", url, err)
         return None
+
+
+class Scraper:
+    """Reads each running job's rank-0 endpoint every SCRAPE_INTERVAL_S in the background.
+
+    `want(key, pod_uid, url)` starts (or keeps) reading for a job and returns the latest
+    reading of that very pod; `forget(key)` stops. A reading that differs from the last
+    calls `on_change(key)` so that the job is reconciled and its status updated."""
+
+    def __init__(self, session: aiohttp.ClientSession, on_change: Callable[[Hashable], None],
+                 interval: float = SCRAPE_INTERVAL_S, concurrency: int = MAX_CONCURRENT):
+        self.session, self.on_change, self.interval = session, on_change, interval
+        self.slots = asyncio.Semaphore(concurrency)
+        self.targets: dict[Hashable, tuple[str, str]] = {}
+        self.tasks: dict[Hashable, asyncio.Task] = {}
+        self.latest: dict[Hashable, dict[str, float]] = {}
+
+    def want(self, key: Hashable, pod_uid: str, url: str) -> dict[str, float] | None:
+        target = (pod_uid, url)
+        if self.targets.get(key) != target:
+            self.forget(key)
+            self.targets[key] = target
+            self.tasks[key] = asyncio.create_task(self._loop(key, url), name=f"scrape {key}")
+        return self.latest.get(key)
+
+    def forget(self, key: Hashable) -> None:
+        task = self.tasks.pop(key, None)
+        if task:
+            task.cancel()
+        self.targets.pop(key, None)
+        self.latest.pop(key, None)
+
+    def close(self) -> None:
+        for key in list(self.tasks):
+            self.forget(key)
+
+    async def _loop(self, key: Hashable, url: str) -> None:
+        wait = self.interval
+        while True:
+            async with self.slots:
+                reading = await scrape(self.session, url)
+            if reading is None:
+                wait = min(MAX_BACKOFF_S, wait * 2)
+            else:
+                wait = self.interval
+                if reading != self.latest.get(key):
+                    self.latest[key] = reading
+                    self.on_change(key)
+            await asyncio.sleep(wait)

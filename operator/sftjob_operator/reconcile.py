@@ -7,7 +7,15 @@ the handler writes the new status *before* acting on it; a crash between the two
 status from which the next pass finishes the same actions. The one exception is
 `launchedAttempt`, written only after all pods of an attempt exist, so that a crash in
 the middle of creating a gang re-creates only the missing ranks and is not mistaken for a
-preemption.
+preemption; and when that write itself is lost (the operator died, or the write failed,
+after the last pod was created), a later pass that finds every rank of the attempt adopts
+the gang as launched instead of launching it again forever.
+
+Nothing waits without saying why: pods that cannot start put their reason (a missing
+Secret, Unschedulable, ...) in the job's conditions; pods the API server refuses to create
+fail the job naming the spec field (`rejections.py`); an old gang stuck terminating on a
+lost node is force-deleted; a gang whose step stops advancing is restarted by the
+progress watchdog.
 """
 from __future__ import annotations
 
@@ -20,11 +28,14 @@ from . import api, builders, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
 from . import ttl
+from .rejections import Rejection
 
 TERMINAL = ("Succeeded", "Failed")
 PROGRESS_INTERVAL_S = 5.0    # how often a running job's progress is refreshed
 STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
 STALE_POLL_S = 2.0           # while old pods finish terminating
+FORCE_DELETE_AFTER_S = 30.0  # past its grace period, a pod on a NotReady node is force-deleted
+QUOTA_RETRY_S = 10.0         # how often a gang waiting for namespace quota is tried again
 
 
 @dataclass
@@ -42,6 +53,7 @@ class Plan:
     launch: list[dict[str, Any]] = field(default_factory=list)   # pods to create
     launched_status: dict[str, Any] | None = None  # merged into status once `launch` all exist
     delete_pods: list[str] = field(default_factory=list)
+    force_delete_pods: list[str] = field(default_factory=list)   # grace period 0: their node is lost
     delete_job: bool = False
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
@@ -78,7 +90,8 @@ class _Pass:
     """One reconcile pass over one job; builds a Plan."""
 
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], now: datetime,
-                 node_ready: dict[str, bool] | None, metrics: dict[str, float] | None):
+                 node_ready: dict[str, bool] | None, metrics: dict[str, float] | None,
+                 rejection: Rejection | None = None):
         self.body = body
         self.meta = body["metadata"]
         self.job = builders.JobRef.from_body(body)
@@ -92,6 +105,7 @@ class _Pass:
         self.now = now
         self.node_ready = node_ready or {}
         self.metrics = metrics
+        self.rejection = rejection
         self.plan = Plan()
 
     # -- helpers ------------------------------------------------------------------------
@@ -103,6 +117,12 @@ class _Pass:
 
     def event(self, type_: str, reason: str, message: str) -> None:
         self.plan.events.append(Event(type_, reason, message))
+
+    def reason_changed_to(self, reason: str) -> bool:
+        """Whether the job's Ready condition did not carry `reason` before this pass (an
+        Event for a waiting reason is posted once, not on every pass)."""
+        ready = c.get_condition(self.old.get("conditions") or [], c.READY)
+        return not ready or ready.get("reason") != reason
 
     def requeue(self, seconds: float) -> None:
         seconds = max(0.5, seconds)
@@ -181,27 +201,60 @@ class _Pass:
         attempt = self.st.get("attempt", 0)
         current = {_pod_rank(p): p for p in self.pods if _pod_attempt(p) == attempt}
         stale = [p for p in self.pods if _pod_attempt(p) != attempt]
-        if stale:
-            # An earlier gang still exists (or is still checkpointing): let it go first.
-            self.stop(stale, finished_too=True)
-            self.requeue(STALE_POLL_S)
-            return
-        restart_after = parse_time(self.st.get("restartAfter"))
-        if restart_after and self.now < restart_after:
-            self.requeue((restart_after - self.now).total_seconds())
-            return
         rp = self.spec.run_policy
         started = parse_time(self.st.get("startTime"))
         if started and rp.active_deadline_seconds:
+            # Checked before anything else waits: a gang stuck terminating ends at the deadline too.
             left = (started + timedelta(seconds=rp.active_deadline_seconds) - self.now).total_seconds()
             if left <= 0:
                 self.fail(c.REASON_DEADLINE, f"runPolicy.activeDeadlineSeconds ({rp.active_deadline_seconds}) exceeded")
                 return
             self.requeue(left)
-        if self.st.get("launchedAttempt") != attempt:
-            self.launch(attempt, current)
+        if stale:
+            # An earlier gang still exists (or is still checkpointing): let it go first.
+            self.wait_for_stale(stale)
             return
+        restart_after = parse_time(self.st.get("restartAfter"))
+        if restart_after and self.now < restart_after:
+            self.requeue((restart_after - self.now).total_seconds())
+            return
+        if self.st.get("launchedAttempt") != attempt:
+            if self.rejection is not None:
+                self.rejected(self.rejection, current)
+                return
+            if len(current) < self.spec.resources.nodes:
+                self.launch(attempt, current)
+                return
+            # Every rank exists but the launch was never recorded: adopt the gang.
+            self.st["launchedAttempt"] = attempt
+            created = [p["metadata"].get("creationTimestamp") for p in current.values()]
+            self.st["launchTime"] = max([t for t in created if t] or [iso(self.now)])
         self.judge(attempt, current)
+
+    def wait_for_stale(self, stale: list[dict[str, Any]]) -> None:
+        """Stop an earlier gang and wait for it; a pod whose node is lost cannot finish
+        terminating by itself (no kubelet confirms it), so it is force-deleted once its
+        grace period is long over."""
+        self.stop(stale, finished_too=True)
+        self.requeue(STALE_POLL_S)
+        for pod in stale:
+            meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName", "")
+            deadline = parse_time(meta.get("deletionTimestamp"))
+            if deadline is None or self.now < deadline:
+                continue
+            where = f"node {node}" if node else "no node"
+            if self.node_ready.get(node) is False and \
+                    (self.now - deadline).total_seconds() >= FORCE_DELETE_AFTER_S:
+                if meta["name"] not in self.plan.force_delete_pods:
+                    self.plan.force_delete_pods.append(meta["name"])
+                    self.event("Warning", c.REASON_FORCE_DELETED,
+                               f"pod {meta['name']} was still terminating on {where}, which is not ready, "
+                               f"{(self.now - deadline).total_seconds():.0f}s after its grace period; "
+                               "force-deleted so that the gang can restart")
+            elif self.st.get("phase") in ("Pending", "Restarting"):
+                message = (f"waiting for pod {meta['name']} of an earlier attempt to terminate on {where} "
+                           f"(its grace period ended at {meta['deletionTimestamp']})")
+                self.set_phase(self.st["phase"], c.REASON_TERMINATING, message)
 
     def launch(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
@@ -210,13 +263,38 @@ class _Pass:
         self.plan.launched_status = {"launchedAttempt": attempt, "launchTime": iso(self.now)}
         self.requeue(STARTING_POLL_S)
 
+    def rejected(self, rej: Rejection, current: dict[int, dict[str, Any]]) -> None:
+        """The API server refused a pod of the gang. What no retry can fix fails the job,
+        naming the spec field; a full namespace quota is waited for (saying so) until the
+        startup deadline."""
+        if rej.permanent:
+            self.fail(rej.reason, rej.message)
+            self.stop(list(current.values()), finished_too=True)
+            return
+        rp = self.spec.run_policy
+        since = parse_time(self.st.get("restartAfter")) or parse_time(self.meta.get("creationTimestamp")) or self.now
+        waited = (self.now - since).total_seconds()
+        if waited >= rp.startup_deadline_seconds:
+            self.fail(c.REASON_STARTUP_DEADLINE,
+                      f"pods could not be created for {rp.startup_deadline_seconds}s "
+                      f"(runPolicy.startupDeadlineSeconds): {rej.message}")
+            self.stop(list(current.values()), finished_too=True)
+            return
+        if self.reason_changed_to(rej.reason):
+            self.event("Warning", rej.reason, rej.message)
+        self.set_phase("Pending", rej.reason, rej.message)
+        self.requeue(QUOTA_RETRY_S)
+
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
         outcomes = {r: fp.classify_pod(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", "")))
                     for r, p in current.items()}
         verdict = fp.judge_gang(outcomes, nodes)
         rp = self.spec.run_policy
-        if verdict.verdict is fp.Verdict.SUCCEEDED:
+        if verdict.verdict is fp.Verdict.FAILED:
+            self.fail(verdict.reason, f"{verdict.message} (a deterministic error: the trainer exited 2, and "
+                      "retrying cannot help; fix the spec or the data and create the job again)")
+        elif verdict.verdict is fp.Verdict.SUCCEEDED:
             uri = builders.model_uri(self.job, self.spec)
             self.st["output"]["uri"] = uri
             self.st["completionTime"] = iso(self.now)
@@ -228,13 +306,7 @@ class _Pass:
             self.event("Normal", c.REASON_SUCCEEDED, f"every rank exited 0; model exported to {uri}")
             self.cleanup_finished()
         elif verdict.verdict is fp.Verdict.RESTART_FAILED:
-            restarts = self.st.setdefault("restarts", {})
-            if restarts.get("failures", 0) >= rp.backoff_limit:
-                self.fail(verdict.reason or c.REASON_BACKOFF_LIMIT,
-                          f"{c.REASON_BACKOFF_LIMIT}: {restarts.get('failures', 0) + 1} failed attempts "
-                          f"(runPolicy.backoffLimit {rp.backoff_limit}); last: {verdict.message}")
-            else:
-                self.restart("failure", verdict, current)
+            self.attempt_failed(verdict, current)
         elif verdict.verdict is fp.Verdict.RESTART_PREEMPTED:
             restarts = self.st.setdefault("restarts", {})
             if restarts.get("preemptions", 0) >= rp.preemption_limit:
@@ -244,16 +316,7 @@ class _Pass:
             else:
                 self.restart("preemption", verdict, current)
         elif verdict.verdict is fp.Verdict.STARTING:
-            launched = parse_time(self.st.get("launchTime")) or self.now
-            left = (launched + timedelta(seconds=rp.startup_deadline_seconds) - self.now).total_seconds()
-            if left <= 0:
-                why = f" ({verdict.stuck_reason})" if verdict.stuck_reason else ""
-                self.fail(c.REASON_STARTUP_DEADLINE,
-                          f"pods not all running {rp.startup_deadline_seconds}s after creation{why}")
-                return
-            if self.st.get("phase") == "Pending":
-                self.set_phase("Pending", c.REASON_PODS_STARTING, "waiting for every pod to run")
-            self.requeue(min(left, STARTING_POLL_S))
+            self.starting(verdict)
         else:
             if self.st.get("phase") != "Running":
                 self.set_phase("Running", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
@@ -262,8 +325,63 @@ class _Pass:
             if self.metrics:
                 self.st["progress"] = prog.merge(self.st.get("progress", {}), self.metrics, iso(self.now))
             self.requeue(PROGRESS_INTERVAL_S)
+            self.watchdog(current)
 
-    def restart(self, cause: str, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]]) -> None:
+    def starting(self, verdict: fp.GangVerdict) -> None:
+        """Pods not all running yet: say what they wait for; fail at the startup deadline."""
+        rp = self.spec.run_policy
+        launched = parse_time(self.st.get("launchTime")) or self.now
+        left = (launched + timedelta(seconds=rp.startup_deadline_seconds) - self.now).total_seconds()
+        why = explain_waiting(self.spec, verdict.stuck_reason, verdict.stuck_message)
+        if left <= 0:
+            self.fail(c.REASON_STARTUP_DEADLINE, f"pods not all running {rp.startup_deadline_seconds}s after "
+                      f"creation (runPolicy.startupDeadlineSeconds){': ' + why if why else ''}")
+            return
+        if self.st.get("phase") == "Pending":
+            if why:
+                if self.reason_changed_to(verdict.stuck_reason):
+                    self.event("Warning", verdict.stuck_reason, why)
+                self.set_phase("Pending", verdict.stuck_reason, f"waiting: {why}")
+            else:
+                self.set_phase("Pending", c.REASON_PODS_STARTING, "waiting for every pod to run")
+        self.requeue(min(left, STARTING_POLL_S))
+
+    def attempt_failed(self, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
+                       reason: str | None = None) -> None:
+        """A failed attempt: restart the gang, or fail the job when backoffLimit is spent."""
+        rp = self.spec.run_policy
+        restarts = self.st.setdefault("restarts", {})
+        if restarts.get("failures", 0) >= rp.backoff_limit:
+            self.fail(verdict.reason or c.REASON_BACKOFF_LIMIT,
+                      f"{c.REASON_BACKOFF_LIMIT}: {restarts.get('failures', 0) + 1} failed attempts "
+                      f"(runPolicy.backoffLimit {rp.backoff_limit}); last: {verdict.message}")
+        else:
+            self.restart("failure", verdict, current, reason)
+
+    def watchdog(self, current: dict[int, dict[str, Any]]) -> None:
+        """Restart a gang whose step stopped advancing (a rank stuck in a collective, say).
+
+        Armed once the step advanced during this attempt (so a long start-up, model load
+        or data scan, is not a hang) and disarmed after the last step (final validation
+        and export may legitimately take long)."""
+        limit = self.spec.run_policy.progress_deadline_seconds
+        progress = self.st.get("progress") or {}
+        last = parse_time(progress.get("lastStepTime"))
+        launched = parse_time(self.st.get("launchTime"))
+        total, step = progress.get("totalSteps"), progress.get("step")
+        if not limit or last is None or launched is None or last < launched or (total and step and step >= total):
+            return
+        left = (last + timedelta(seconds=limit) - self.now).total_seconds()
+        if left > 0:
+            self.requeue(left)
+            return
+        verdict = fp.GangVerdict(fp.Verdict.RESTART_FAILED, c.REASON_PROGRESS_DEADLINE,
+                                 f"step {step} has not advanced for {limit}s (runPolicy.progressDeadlineSeconds); "
+                                 "a rank may be stuck")
+        self.attempt_failed(verdict, current, reason=c.REASON_PROGRESS_DEADLINE)
+
+    def restart(self, cause: str, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
+                reason: str | None = None) -> None:
         restarts = self.st.setdefault("restarts", {})
         key = "failures" if cause == "failure" else "preemptions"
         so_far = restarts.get("total", 0)
@@ -272,7 +390,7 @@ class _Pass:
         delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, so_far)
         self.st["attempt"] = self.st.get("attempt", 0) + 1
         self.st["restartAfter"] = iso(self.now + timedelta(seconds=delay))
-        reason = c.REASON_RESTART_FAILURE if cause == "failure" else c.REASON_RESTART_PREEMPTION
+        reason = reason or (c.REASON_RESTART_FAILURE if cause == "failure" else c.REASON_RESTART_PREEMPTION)
         message = (f"{verdict.reason}: {verdict.message}; restarting the whole gang in {delay:.0f}s "
                    f"(attempt {self.st['attempt']})")
         self.set_phase("Restarting", reason, message)
@@ -287,7 +405,31 @@ class _Pass:
         return self.plan
 
 
+def explain_waiting(spec: api.SFTJobSpec, reason: str, message: str) -> str:
+    """Why a pod waits, naming the spec field behind it where one is (a Secret reference)."""
+    if not reason:
+        return ""
+    text = f"{reason}: {message}" if message else reason
+    refs = []
+    if spec.storage.credentials_secret_ref:
+        refs.append(("spec.storage.credentialsSecretRef.name", spec.storage.credentials_secret_ref.name))
+    for var in spec.resources.env or []:
+        src = var.value_from
+        ref = src and (src.secret_key_ref or src.config_map_key_ref)
+        if ref:
+            refs.append((f"spec.resources.env[{var.name}].valueFrom", ref.name))
+    for path, name in refs:
+        if f'"{name}" not found' in message or f"{name}" in message.split(" "):
+            return f"{path} ({name}): {text}"
+    if reason == "Unschedulable":
+        return f"{text} (check spec.resources: cpu, memory, gpusPerNode, nodeSelector, tolerations)"
+    return text
+
+
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,
-         node_ready: dict[str, bool] | None = None, metrics: dict[str, float] | None = None) -> Plan:
-    """Decide what to do for one SFTJob given its pods (see module docstring)."""
-    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics).run()
+         node_ready: dict[str, bool] | None = None, metrics: dict[str, float] | None = None,
+         rejection: Rejection | None = None) -> Plan:
+    """Decide what to do for one SFTJob given its pods (see module docstring).
+
+    `rejection`: the API server refused to create a pod of the current attempt."""
+    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics, rejection).run()

@@ -85,7 +85,8 @@ def test_inline_credentials_are_not_a_field():
     with pytest.raises(ValueError, match="accessKey"):
         api.StorageSpec.model_validate({"uri": "s3://b", "accessKey": "AKIA"})
     props = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    assert set(props["storage"]["properties"]) == {"uri", "endpoint", "region", "credentialsSecretRef"}
+    assert set(props["storage"]["properties"]) == {"uri", "endpoint", "region", "credentialsSecretRef",
+                                                 "persistentVolumeClaim"}
     assert "x-kubernetes-preserve-unknown-fields" not in props["storage"]
 
 
@@ -93,3 +94,31 @@ def test_descriptions_use_crd_spellings():
     text = yaml.safe_dump(crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"])
     for snake in ("train_batch_size", "prompt_key", "max_length", "total_epochs"):
         assert snake not in text
+
+
+def test_every_optional_section_defaults_to_an_object():
+    """Without `default: {}` on a section the API server applies none of its defaults, and
+    the spec-level CEL rules that read e.g. self.resources.nodes refuse a minimal spec."""
+    spec = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    required = set(spec["required"])
+    assert required == {"model", "data", "storage"}
+    for name, node in spec["properties"].items():
+        if node.get("type") == "object" and name not in required:
+            assert node.get("default") == {}, name
+    training = spec["properties"]["training"]["properties"]
+    assert training["optim"]["default"] == {} and training["lora"]["default"] == {}
+
+
+def test_operator_env_is_reserved():
+    """Every variable the operator sets on a trainer pod is one the API server refuses in
+    spec.resources.env (a user's value would silently break the rendezvous or storage)."""
+    from sftjob_operator import builders
+    from tests.operator.op_testkit import job_body
+
+    body = job_body({"storage.region": "eu-west-1"})
+    pod = builders.build_pod(builders.JobRef.from_body(body), builders.parse_spec(body["spec"]), 0, 0)
+    ours = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    reserved = set(api.RESERVED_ENV)
+    credentials = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}  # refused as credentials instead
+    for name in ours - credentials:
+        assert name in reserved or name.startswith(api.RESERVED_ENV_PREFIX), name

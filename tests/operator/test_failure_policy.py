@@ -35,6 +35,7 @@ def _disrupted():
     (terminated(POD, 2, "InvalidData: column 'prompt' missing"), fp.State.FAILED, "InvalidData"),
     (terminated(POD, 1, "InvalidConfig: data.x: unknown key"), fp.State.FAILED, "InvalidConfig"),
     (terminated(POD, 1, "Traceback ...\nsomething broke"), fp.State.FAILED, "TrainingError"),
+    (terminated(POD, 2), fp.State.FAILED, "InvalidConfig"),
     (terminated(POD, 1, "Preempted: checkpoint step-7 committed"), fp.State.PREEMPTED, "Preempted"),
     (terminated(POD, 143), fp.State.PREEMPTED, "Signalled"),
     (terminated(POD, 137), fp.State.PREEMPTED, "Signalled"),
@@ -65,7 +66,9 @@ def test_termination_message_parsing():
 
 
 R, S, P, F = (fp.PodOutcome(fp.State.RUNNING), fp.PodOutcome(fp.State.SUCCEEDED),
-              fp.PodOutcome(fp.State.PREEMPTED, "Evicted", "x"), fp.PodOutcome(fp.State.FAILED, "InvalidData", "y"))
+              fp.PodOutcome(fp.State.PREEMPTED, "Evicted", "x"), fp.PodOutcome(fp.State.FAILED, "TrainingError", "y"))
+BAD = fp.classify_pod(terminated(POD, 2, "InvalidData: column 'prompt' missing"))
+SIG = fp.classify_pod(terminated(POD, 137))
 
 
 @pytest.mark.parametrize("outcomes, verdict, reason", [
@@ -74,7 +77,15 @@ R, S, P, F = (fp.PodOutcome(fp.State.RUNNING), fp.PodOutcome(fp.State.SUCCEEDED)
     ({0: S, 1: S}, fp.Verdict.SUCCEEDED, ""),
     ({0: R}, fp.Verdict.RESTART_PREEMPTED, "PodDeleted"),
     ({0: R, 1: P}, fp.Verdict.RESTART_PREEMPTED, "Evicted"),
-    ({0: P, 1: F}, fp.Verdict.RESTART_FAILED, "InvalidData"),
+    ({0: R, 1: F}, fp.Verdict.RESTART_FAILED, "TrainingError"),
+    # A peer's generic failure after an eviction is the eviction's doing: one preemption.
+    ({0: P, 1: F}, fp.Verdict.RESTART_PREEMPTED, "Evicted"),
+    ({0: F}, fp.Verdict.RESTART_PREEMPTED, "PodDeleted"),
+    # ... but an exit >= 128 alone is no evidence of an outside hand (torchrun kills its
+    # workers after a peer crashed), and a deterministic failure wins over everything.
+    ({0: SIG, 1: F}, fp.Verdict.RESTART_FAILED, "TrainingError"),
+    ({0: P, 1: BAD}, fp.Verdict.FAILED, "InvalidData"),
+    ({0: BAD, 1: R}, fp.Verdict.FAILED, "InvalidData"),
     ({0: R, 1: fp.PodOutcome(fp.State.PENDING, "ImagePullBackOff")}, fp.Verdict.STARTING, ""),
 ])
 def test_judge_gang(outcomes, verdict, reason):
@@ -85,3 +96,28 @@ def test_judge_gang(outcomes, verdict, reason):
 def test_restart_delay_doubles_and_caps():
     assert [fp.restart_delay(10, n) for n in range(6)] == [10, 20, 40, 80, 160, 300]
     assert fp.restart_delay(0, 5) == 0
+
+
+@pytest.mark.parametrize("pod, permanent", [
+    (terminated(POD, 2, "InvalidData: column 'prompt' missing"), True),
+    (terminated(POD, 2), True),                      # exit 2 without a message is still permanent
+    (terminated(POD, 1, "InvalidConfig: data.x: unknown key"), True),
+    (terminated(POD, 1, "TrainingError: nan loss"), False),
+    (terminated(POD, 137, reason="OOMKilled"), False),
+])
+def test_deterministic_failures_are_permanent(pod, permanent):
+    assert fp.classify_pod(pod).permanent is permanent
+
+
+def test_waiting_pods_say_why():
+    secret = _with(phase="Pending", containerStatuses=[{"state": {"waiting": {
+        "reason": "CreateContainerConfigError", "message": 'secret "sftjob-s3" not found'}}}])
+    unsched = _with(phase="Pending", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                  "message": "0/2 nodes are available: 2 Insufficient cpu."}])
+    verdict = fp.judge_gang({0: fp.classify_pod(unsched), 1: fp.classify_pod(secret)}, nodes=2)
+    assert verdict.verdict is fp.Verdict.STARTING
+    assert (verdict.stuck_reason, verdict.stuck_message) == (
+        "CreateContainerConfigError", 'rank 1: secret "sftjob-s3" not found')
+    verdict = fp.judge_gang({0: fp.classify_pod(unsched), 1: R}, nodes=2)
+    assert (verdict.stuck_reason, verdict.stuck_message) == (
+        "Unschedulable", "rank 0: 0/2 nodes are available: 2 Insufficient cpu.")

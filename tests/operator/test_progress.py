@@ -1,6 +1,10 @@
 """Progress: the trainer's Prometheus text into status.progress."""
 from __future__ import annotations
 
+import asyncio
+import time
+
+import aiohttp
 import pytest
 
 from sftjob_operator import progress
@@ -42,3 +46,78 @@ def test_merge_rounds_summarises_and_stamps_only_on_change():
 def test_uninitialised_trainer_does_not_wipe_progress():
     before = {"step": 12, "totalSteps": 40, "loss": 2.5, "summary": "12/40"}
     assert progress.merge(before, {"step": 0, "totalSteps": 0, "loss": 0.0}, "T") == before
+
+
+def test_infinite_values_are_dropped_not_raised():
+    got = progress.parse_metrics("sftjob_trainer_step +Inf\nsftjob_trainer_loss -Inf\nsftjob_trainer_total_steps 40\n")
+    assert got == {"totalSteps": 40}
+
+
+class _Endpoints:
+    """Real HTTP endpoints on 127.0.0.1: a good trainer, a huge response, a hung one."""
+
+    def __init__(self):
+        from aiohttp import web
+
+        async def good(_):
+            return web.Response(text=TEXT)
+
+        async def huge(_):
+            return web.Response(text="x" * (progress.MAX_BYTES + 10))
+
+        async def hung(_):
+            await asyncio.sleep(5)
+            return web.Response(text=TEXT)
+
+        self.app = web.Application()
+        self.app.add_routes([web.get("/good", good), web.get("/huge", huge), web.get("/hung", hung)])
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        self.runner = web.AppRunner(self.app, shutdown_timeout=0.2)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+def test_scrape_limits_size_and_time():
+    async def main():
+        async with _Endpoints() as ep, aiohttp.ClientSession() as session:
+            assert (await progress.scrape(session, f"{ep.base}/good"))["step"] == 12
+            assert await progress.scrape(session, f"{ep.base}/huge") is None
+            t0 = time.monotonic()
+            assert await progress.scrape(session, f"{ep.base}/hung") is None
+            assert time.monotonic() - t0 < progress.SCRAPE_TIMEOUT_S + 1
+
+    asyncio.run(main())
+
+
+def test_scraper_never_makes_a_caller_wait_on_an_endpoint():
+    """want() returns at once whatever the endpoint does; readings arrive in the background
+    and a change asks for a reconcile of that job only."""
+    async def main():
+        changed = []
+        async with _Endpoints() as ep, aiohttp.ClientSession() as session:
+            scraper = progress.Scraper(session, on_change=changed.append, interval=0.1)
+            t0 = time.monotonic()
+            assert scraper.want("hung-job", "uid-1", f"{ep.base}/hung") is None
+            assert scraper.want("good-job", "uid-2", f"{ep.base}/good") is None
+            assert time.monotonic() - t0 < 0.1
+            for _ in range(50):
+                await asyncio.sleep(0.05)
+                if changed:
+                    break
+            assert changed == ["good-job"]
+            assert scraper.want("good-job", "uid-2", f"{ep.base}/good")["step"] == 12
+            # A new pod (a restarted gang) starts from nothing, never from the old pod's reading.
+            assert scraper.want("good-job", "uid-3", f"{ep.base}/good") is None
+            scraper.close()
+            assert not scraper.tasks
+
+    asyncio.run(main())

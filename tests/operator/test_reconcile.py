@@ -80,7 +80,10 @@ def test_deleted_pod_restarts_whole_gang_as_preemption():
     old = pods[:1]
     old[0]["metadata"]["deletionTimestamp"] = "2026-01-01T12:00:30Z"
     plan = reconcile.plan(body, old, at(45))
-    assert not plan.launch and not plan.delete_pods and plan.status is None
+    assert not plan.launch and not plan.delete_pods and not plan.force_delete_pods
+    assert cond(plan.status, "Ready")["reason"] == "WaitingForPodsToTerminate"  # says why it waits
+    assert "tiny-node-0" in plan.status["message"]
+    assert reconcile.plan(apply(body, plan), old, at(47)).status is None  # ... once
     # Gone, but back-off not over: wait.
     assert not reconcile.plan(body, [], at(35)).launch
     # After the back-off: the new gang, attempt 1.
@@ -107,9 +110,9 @@ def test_success_when_every_rank_exits_zero():
     assert reconcile.plan(body, [], at(91)).delete_job
 
 
-def test_permanent_failure_spends_backoff_then_fails_with_trainer_reason():
+def test_failure_spends_backoff_then_fails_with_trainer_reason():
     body, pods = running_job()  # backoffLimit 1
-    bad = [terminated(pods[0], 1, "InvalidData: column 'prompt' missing"), terminated(pods[1], 143)]
+    bad = [terminated(pods[0], 1, "TrainingError: loss is nan"), terminated(pods[1], 143)]
     plan = reconcile.plan(body, bad, at(30))
     assert plan.status["phase"] == "Restarting" and plan.restart_cause == "failure"
     assert plan.status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
@@ -118,13 +121,12 @@ def test_permanent_failure_spends_backoff_then_fails_with_trainer_reason():
     pods = pods_for(body, attempt=1)
     body = apply(body, reconcile.plan(body, pods, at(45)))
     still_running = pods[1]
-    plan = reconcile.plan(body, [terminated(pods[0], 2, "InvalidData: column 'prompt' missing"), still_running],
-                          at(50))
+    plan = reconcile.plan(body, [terminated(pods[0], 1, "TrainingError: loss is nan"), still_running], at(50))
     st = plan.status
     assert st["phase"] == "Failed"
     failed = cond(st, "Failed")
-    assert failed["status"] == "True" and failed["reason"] == "InvalidData"
-    assert "BackoffLimitExceeded" in failed["message"] and "column 'prompt' missing" in failed["message"]
+    assert failed["status"] == "True" and failed["reason"] == "TrainingError"
+    assert "BackoffLimitExceeded" in failed["message"] and "loss is nan" in failed["message"]
     assert cond(st, "Stalled")["status"] == "True"
     assert plan.delete_pods == ["tiny-node-1"]  # nothing left running
 

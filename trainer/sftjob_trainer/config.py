@@ -10,7 +10,7 @@ Every field carries a description because the CRD's descriptions are what
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -36,6 +36,10 @@ class _Section(BaseModel):
     # Unknown keys are errors (a typo must never be silently ignored) and a built config
     # is never mutated: components receive it and only read.
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+# An AdamW moment decay: 1 or more never forgets (and diverges), below 0 is meaningless.
+_Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 def _as_list(value: Any) -> Any:
@@ -80,9 +84,12 @@ class DataConfig(_Section):
         default_factory=list,
         description="Validation parquet files (same forms as train_files). Empty: no validation.",
     )
-    prompt_key: str = Field(default="prompt", description="Column holding the prompt text (single-turn data).")
+    prompt_key: str = Field(
+        default="prompt", min_length=1, description="Column holding the prompt text (single-turn data)."
+    )
     response_key: str = Field(
-        default="response", description="Column holding the response text (single-turn data)."
+        default="response", min_length=1,
+        description="Column holding the response text (single-turn data); must differ from prompt_key.",
     )
     messages_key: str | None = Field(
         default=None,
@@ -127,6 +134,13 @@ class DataConfig(_Section):
     _as_list_train = field_validator("train_files", "val_files", mode="before")(_as_list)
 
     @model_validator(mode="after")
+    def _distinct_columns(self) -> "DataConfig":
+        if self.messages_key is None and self.prompt_key == self.response_key:
+            raise ValueError(f"data.prompt_key and data.response_key are both {self.prompt_key!r}: the response "
+                             "would be the prompt itself; name two different columns")
+        return self
+
+    @model_validator(mode="after")
     def _micro_divides_global(self) -> "DataConfig":
         if self.train_batch_size % self.micro_batch_size_per_gpu:
             raise ValueError(
@@ -141,7 +155,7 @@ class OptimConfig(_Section):
 
     lr: float = Field(default=1e-5, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW beta1, beta2.")
+    betas: tuple[_Beta, _Beta] = Field(default=(0.9, 0.95), description="AdamW beta1, beta2, each in [0, 1).")
     eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     clip_grad: float = Field(
         default=1.0, ge=0, description="Clip the global gradient norm to this value (0 disables clipping)."
@@ -200,7 +214,7 @@ class TrainerConfig(_Section):
     test_freq: int = Field(
         default=0, ge=0, description="Validate every N optimizer steps (0: only at the end)."
     )
-    seed: int = Field(default=42, description="Seed for model init of new weights, data order and dropout.")
+    seed: int = Field(default=42, ge=0, description="Seed for model init of new weights, data order and dropout.")
     output_dir: str = Field(
         description="Where checkpoints, metrics.jsonl and the exported model (hf/final) go: a local path or s3:// URI.",
         min_length=1,

@@ -1,0 +1,174 @@
+"""When the API server refuses a pod of the gang: which spec field is to blame, and whether
+waiting can help. Pure; no I/O.
+
+The CRD rejects most bad specs at `kubectl apply`. What only pod admission or the state of
+the cluster can judge reaches the operator as an error on `create pod`: a 422 from pod
+validation (its causes name pod fields), or a 403 from an admission plugin (a PriorityClass
+or ServiceAccount that does not exist, a LimitRange, Pod Security, a ResourceQuota). Each
+pod field is mapped back to the SFTJob field it was built from, so the job's Failed
+condition says what to change.
+
+Policy: every refusal fails the job at once, except a namespace ResourceQuota that the
+gang would fit into once other workloads finish (`used + requested > hard`, but
+`requested <= hard`): then the job waits, saying so, until its startup deadline.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from . import api
+from . import conditions as c
+
+
+# HTTP statuses of `create pod` that mean "this pod, as built, is refused" (not a passing
+# fault): 400 bad request, 403 admission/quota, 404 a referenced object, 422 validation.
+REFUSALS = (400, 403, 404, 422)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str        # condition reason: PodRejected or QuotaExceeded
+    message: str       # names the spec field where one is to blame
+    permanent: bool    # False: waiting may help (quota held by other workloads)
+
+
+# Pod field prefixes (after `spec.containers[0].`/`spec.`) -> the SFTJob field they come from.
+_CONTAINER_FIELDS = (
+    ("resources.requests.memory", "spec.resources.memory"),
+    ("resources.limits.memory", "spec.resources.memory"),
+    ("resources.requests[memory]", "spec.resources.memory"),
+    ("resources.limits[memory]", "spec.resources.memory"),
+    ("resources.requests.cpu", "spec.resources.cpu"),
+    ("resources.requests[cpu]", "spec.resources.cpu"),
+    ("resources.limits.nvidia.com/gpu", "spec.resources.gpusPerNode"),
+    ("resources.requests[nvidia.com/gpu]", "spec.resources.gpusPerNode"),
+    ("resources", "spec.resources"),
+    ("image", "spec.resources.image"),
+    ("imagePullPolicy", "spec.resources.imagePullPolicy"),
+    ("volumeMounts", "spec.storage.uri"),
+)
+_POD_FIELDS = (
+    ("tolerations", "spec.resources.tolerations"),
+    ("nodeSelector", "spec.resources.nodeSelector"),
+    ("priorityClassName", "spec.resources.priorityClassName"),
+    ("priority", "spec.resources.priorityClassName"),
+    ("schedulerName", "spec.resources.schedulerName"),
+    ("serviceAccountName", "spec.resources.serviceAccountName"),
+    ("volumes", "spec.storage.persistentVolumeClaim"),
+    ("terminationGracePeriodSeconds", "spec.runPolicy.terminationGracePeriodSeconds"),
+)
+# 403 messages of admission plugins -> the SFTJob field they are about.
+_FORBIDDEN = (
+    (re.compile(r"no PriorityClass with name (\S+) was found"), "spec.resources.priorityClassName"),
+    (re.compile(r"service ?account", re.I), "spec.resources.serviceAccountName"),
+    (re.compile(r"violates PodSecurity"), "spec.resources (the namespace's Pod Security level)"),
+    (re.compile(r"(memory|cpu).*(limit|request)|(limit|request).*(memory|cpu)", re.I),
+     "spec.resources.cpu / spec.resources.memory (a LimitRange)"),
+)
+
+
+def _status(body: Any) -> dict[str, Any]:
+    if isinstance(body, (bytes, str)):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return {"message": str(body)}
+    return body if isinstance(body, dict) else {}
+
+
+def spec_field(pod_field: str, pod: dict[str, Any], spec: api.SFTJobSpec) -> str:
+    """The SFTJob field behind one pod field path, e.g. spec.tolerations[1].operator ->
+    spec.resources.tolerations[1].operator; the pod field itself when nothing maps."""
+    m = re.match(r"spec\.(?:initContainers|containers)\[\d+\]\.(.*)$", pod_field)
+    if m:
+        rest = m.group(1)
+        env = re.match(r"env\[(\d+)\](.*)$", rest)
+        if env:
+            containers = pod.get("spec", {}).get("containers") or [{}]
+            envs = containers[0].get("env") or []
+            index = int(env.group(1))
+            name = envs[index]["name"] if index < len(envs) else None
+            users = [v.name for v in spec.resources.env or []]
+            if name in users:
+                return f"spec.resources.env[{users.index(name)}]{env.group(2)} ({name})"
+            return f"pod {pod_field}"
+        for prefix, target in _CONTAINER_FIELDS:
+            if rest == prefix or rest.startswith(prefix + ".") or rest.startswith(prefix + "["):
+                return target
+        return f"pod {pod_field}"
+    m = re.match(r"spec\.(.*)$", pod_field)
+    if m:
+        rest = m.group(1)
+        for prefix, target in _POD_FIELDS:
+            if rest == prefix or rest.startswith(prefix + ".") or rest.startswith(prefix + "["):
+                return target + rest[len(prefix):]
+    return f"pod {pod_field}" if pod_field else "the pod"
+
+
+def from_api_error(status: int, body: Any, pod: dict[str, Any], spec: api.SFTJobSpec) -> Rejection:
+    """Turn the API server's refusal of `pod` (HTTP status, Status body) into a Rejection."""
+    st = _status(body)
+    message = st.get("message") or f"HTTP {status}"
+    causes = (st.get("details") or {}).get("causes") or []
+    if status == 403 and "exceeded quota" in message:
+        return _quota(message)
+    fields = []
+    for cause in causes:
+        name = spec_field(cause.get("field", ""), pod, spec)
+        fields.append(f"{name}: {cause.get('message') or cause.get('reason', '')}".strip())
+    if not fields and status == 403:
+        for pattern, name in _FORBIDDEN:
+            if pattern.search(message):
+                fields.append(f"{name}: {message}")
+                break
+    detail = "; ".join(fields) if fields else message
+    return Rejection(c.REASON_POD_REJECTED,
+                     f"the API server refused pod {pod['metadata']['name']}: {detail}", permanent=True)
+
+
+# -- ResourceQuota ----------------------------------------------------------------------
+
+_SUFFIX = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+           "k": Decimal(10) ** 3, "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12,
+           "P": Decimal(10) ** 15, "E": Decimal(10) ** 18,
+           "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40,
+           "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60}
+_QUANTITY = re.compile(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)$")
+
+
+def parse_quantity(text: str) -> Decimal | None:
+    """A Kubernetes quantity (500m, 64Gi, 1e3) as a number; None when it is not one."""
+    m = _QUANTITY.match(text.strip())
+    if not m or m.group(2) not in _SUFFIX:
+        return None
+    try:
+        return Decimal(m.group(1)) * _SUFFIX[m.group(2)]
+    except InvalidOperation:
+        return None
+
+
+def _amounts(text: str) -> dict[str, Decimal]:
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.strip().partition("=")
+        amount = parse_quantity(value) if value else None
+        if key and amount is not None:
+            out[key] = amount
+    return out
+
+
+def _quota(message: str) -> Rejection:
+    """`exceeded quota: NAME, requested: K=V,..., used: K=V,..., limited: K=V,...`"""
+    parts = dict(re.findall(r"(requested|used|limited): ([^:]*?)(?=, (?:requested|used|limited):|$)", message))
+    requested, limited = _amounts(parts.get("requested", "")), _amounts(parts.get("limited", ""))
+    never = [k for k, v in requested.items() if k in limited and v > limited[k]]
+    if never:
+        return Rejection(c.REASON_QUOTA_EXCEEDED,
+                         f"spec.resources: one pod asks for more than the namespace quota allows ({message}); "
+                         "lower spec.resources.cpu/memory/gpusPerNode or raise the quota", permanent=True)
+    return Rejection(c.REASON_QUOTA_EXCEEDED,
+                     f"waiting for namespace quota held by other workloads: {message}", permanent=False)

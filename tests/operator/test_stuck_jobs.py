@@ -1,0 +1,198 @@
+"""No job is left in a state that needs a human: each case below once waited forever, was
+charged to the wrong budget, or pointed at an output that does not exist."""
+from __future__ import annotations
+
+import pytest
+from .op_testkit import apply, job_body, pods_for, terminated
+from .test_reconcile import at, cond, running_job
+
+from sftjob_operator import builders, reconcile, rejections
+
+pytestmark = pytest.mark.unit
+
+
+def test_gang_whose_launch_record_was_lost_is_adopted_and_judged():
+    """The operator died (or the status write failed) after the last pod was created but
+    before launchedAttempt was written: the gang must still be judged."""
+    body = job_body()
+    body = apply(body, reconcile.plan(body, [], at(0)))
+    body["status"].pop("launchedAttempt")
+    body["status"].pop("launchTime")
+    pods = pods_for(body)
+    for p in pods:
+        p["metadata"]["creationTimestamp"] = "2026-01-01T12:00:01Z"
+    plan = reconcile.plan(body, pods, at(5))
+    assert not plan.launch
+    assert plan.status["launchedAttempt"] == 0 and plan.status["launchTime"] == "2026-01-01T12:00:01Z"
+    assert plan.status["phase"] == "Running"
+    body = apply(body, plan)
+    plan = reconcile.plan(body, [terminated(pods[0], 1, "TrainingError: boom"), pods[1]], at(9))
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"]["failures"] == 1
+
+
+def test_old_pod_stuck_terminating_on_lost_node_is_force_deleted():
+    body, pods = running_job(**{"runPolicy.activeDeadlineSeconds": 300})
+    body = apply(body, reconcile.plan(body, pods[:1], at(30)))  # rank 1 lost: restart
+    old = pods[:1]
+    old[0]["metadata"]["deletionTimestamp"] = "2026-01-01T12:01:10Z"  # grace 40 s from 12:00:30
+    ready = {"node-0": False}
+    # Within the grace period, and just after it: wait (a kubelet may still confirm).
+    assert not reconcile.plan(body, old, at(60), node_ready=ready).force_delete_pods
+    assert not reconcile.plan(body, old, at(80), node_ready=ready).force_delete_pods
+    plan = reconcile.plan(body, old, at(101), node_ready=ready)
+    assert plan.force_delete_pods == ["tiny-node-0"]
+    assert [e.reason for e in plan.events] == ["ForceDeletedPod"]
+    # A ready node's kubelet finishes the termination itself: never forced.
+    assert not reconcile.plan(body, old, at(101), node_ready={"node-0": True}).force_delete_pods
+    # The active deadline still fires while an old pod hangs on.
+    plan = reconcile.plan(body, old, at(400), node_ready={"node-0": True})
+    assert plan.status["phase"] == "Failed" and cond(plan.status, "Failed")["reason"] == "DeadlineExceeded"
+
+
+def test_exit_2_fails_at_once_without_spending_backoff():
+    body, pods = running_job(**{"runPolicy.backoffLimit": 3})
+    plan = reconcile.plan(body, [terminated(pods[0], 2, "InvalidData: column 'prompt' missing"), pods[1]], at(30))
+    st = plan.status
+    assert st["phase"] == "Failed" and st["restarts"]["failures"] == 0
+    failed = cond(st, "Failed")
+    assert failed["reason"] == "InvalidData" and "column 'prompt' missing" in failed["message"]
+    assert plan.delete_pods == ["tiny-node-1"]
+
+
+def test_peer_failing_after_its_partner_was_evicted_is_one_preemption():
+    body, pods = running_job()
+    evicted = terminated(pods[0], 143, "Preempted: checkpoint step-7 committed")
+    evicted["status"]["conditions"] = [{"type": "DisruptionTarget", "status": "True",
+                                        "reason": "EvictionByEvictionAPI", "message": "Eviction API: evicting"}]
+    peer = terminated(pods[1], 1, "TrainingError: connection reset by peer")
+    plan = reconcile.plan(body, [evicted, peer], at(30))
+    assert plan.status["restarts"] == {"failures": 0, "preemptions": 1, "total": 1}
+    assert plan.restart_cause == "preemption"
+
+
+def test_lora_without_merge_reports_the_adapter_as_output():
+    body, pods = running_job(**{"output.mergeLora": False})
+    plan = reconcile.plan(body, [terminated(p, 0) for p in pods], at(30))
+    assert plan.status["output"]["uri"].endswith("/hf/adapter")
+    body, pods = running_job(**{"training.lora.rank": 0, "output.mergeLora": False})
+    plan = reconcile.plan(body, [terminated(p, 0) for p in pods], at(30))
+    assert plan.status["output"]["uri"].endswith("/hf/final")  # a full fine-tune has no adapter
+
+
+def test_watchdog_restarts_a_gang_whose_step_stopped_as_a_failure():
+    body, pods = running_job(**{"runPolicy.progressDeadlineSeconds": 120})
+    m = {"step": 3, "totalSteps": 20}
+    body = apply(body, reconcile.plan(body, pods, at(10), metrics=m))
+    assert body["status"]["progress"]["lastStepTime"] == "2026-01-01T12:00:10Z"
+    plan = reconcile.plan(body, pods, at(100), metrics=m)
+    assert plan.status is None and plan.requeue_after <= 30
+    plan = reconcile.plan(body, pods, at(131), metrics=m)
+    st = plan.status
+    assert st["phase"] == "Restarting" and st["restarts"]["failures"] == 1 and plan.restart_cause == "failure"
+    assert cond(st, "Restarting")["reason"] == "ProgressDeadlineExceeded"
+    assert [e.reason for e in plan.events] == ["ProgressDeadlineExceeded"]
+    assert sorted(plan.delete_pods) == ["tiny-node-0", "tiny-node-1"]
+
+
+def test_watchdog_waits_for_the_first_step_and_spares_the_export():
+    body, pods = running_job(**{"runPolicy.progressDeadlineSeconds": 120})
+    # No step seen in this attempt yet (model load, data scan): no watchdog.
+    assert reconcile.plan(body, pods, at(1000)).status is None
+    done = {"step": 20, "totalSteps": 20}
+    body = apply(body, reconcile.plan(body, pods, at(10), metrics=done))
+    assert reconcile.plan(body, pods, at(1000), metrics=done).status is None  # exporting
+
+
+def test_refused_pod_fails_the_job_naming_the_spec_field():
+    body = job_body({"resources.tolerations": [{"key": "gpu", "operator": "Equal", "value": "x"}]})
+    spec = builders.parse_spec(body["spec"])
+    pod = builders.build_pod(builders.JobRef.from_body(body), spec, 0, 0)
+    status = {"kind": "Status", "code": 422, "reason": "Invalid",
+              "message": 'Pod "tiny-node-0" is invalid: spec.tolerations[0].effect: Unsupported value',
+              "details": {"causes": [{"field": "spec.tolerations[0].effect", "message": "Unsupported value: \"X\""}]}}
+    rej = rejections.from_api_error(422, status, pod, spec)
+    plan = reconcile.plan(body, [], at(0), rejection=rej)
+    failed = cond(plan.status, "Failed")
+    assert plan.status["phase"] == "Failed" and failed["reason"] == "PodRejected"
+    assert "spec.resources.tolerations[0].effect" in failed["message"]
+    assert [e.reason for e in plan.events] == ["PodRejected"] and not plan.launch
+
+
+def test_quota_held_by_others_is_waited_for_then_the_startup_deadline_fails_it():
+    body = job_body({"runPolicy.startupDeadlineSeconds": 60})
+    body["metadata"]["creationTimestamp"] = "2026-01-01T12:00:00Z"
+    spec = builders.parse_spec(body["spec"])
+    pod = builders.build_pod(builders.JobRef.from_body(body), spec, 0, 0)
+    msg = ('pods "tiny-node-0" is forbidden: exceeded quota: compute, requested: requests.cpu=2, '
+           'used: requests.cpu=3, limited: requests.cpu=4')
+    rej = rejections.from_api_error(403, {"message": msg}, pod, spec)
+    assert not rej.permanent
+    plan = reconcile.plan(body, [], at(5), rejection=rej)
+    assert plan.status["phase"] == "Pending" and cond(plan.status, "Ready")["reason"] == "QuotaExceeded"
+    assert [e.reason for e in plan.events] == ["QuotaExceeded"]
+    body = apply(body, plan)
+    assert not reconcile.plan(body, [], at(20), rejection=rej).events  # said once
+    plan = reconcile.plan(body, [], at(61), rejection=rej)
+    assert plan.status["phase"] == "Failed" and "exceeded quota" in plan.status["message"]
+
+
+def test_missing_secret_is_named_while_waiting_and_when_failing():
+    body = job_body({"runPolicy.startupDeadlineSeconds": 60})
+    body = apply(body, reconcile.plan(body, [], at(0)))
+    pods = pods_for(body, phase="Pending")
+    for p in pods:
+        p["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {
+            "reason": "CreateContainerConfigError", "message": 'secret "s3-credentials" not found'}}}]
+    plan = reconcile.plan(body, pods, at(5))
+    ready = cond(plan.status, "Ready")
+    assert ready["reason"] == "CreateContainerConfigError"
+    assert "spec.storage.credentialsSecretRef.name" in ready["message"] and "s3-credentials" in ready["message"]
+    assert [e.reason for e in plan.events] == ["CreateContainerConfigError"]
+    plan = reconcile.plan(apply(body, plan), pods, at(61))
+    failed = cond(plan.status, "Failed")
+    assert failed["reason"] == "StartupDeadlineExceeded"
+    assert "spec.storage.credentialsSecretRef.name" in failed["message"]
+
+
+@pytest.mark.parametrize("pod_field, expected", [
+    ("spec.containers[0].resources.requests.memory", "spec.resources.memory"),
+    ("spec.containers[0].resources.limits[memory]", "spec.resources.memory"),
+    ("spec.containers[0].resources.requests[cpu]", "spec.resources.cpu"),
+    ("spec.containers[0].image", "spec.resources.image"),
+    ("spec.tolerations[1].operator", "spec.resources.tolerations[1].operator"),
+    ("spec.nodeSelector", "spec.resources.nodeSelector"),
+    ("spec.priorityClassName", "spec.resources.priorityClassName"),
+    ("spec.containers[0].env[{mine}].name", "spec.resources.env[0].name (MY_VAR)"),
+    ("spec.containers[0].env[0].name", "pod spec.containers[0].env[0].name"),
+    ("metadata.labels", "pod metadata.labels"),
+])
+def test_pod_fields_map_back_to_spec_fields(pod_field, expected):
+    body = job_body({"resources.env": [{"name": "MY_VAR", "value": "1"}]})
+    spec = builders.parse_spec(body["spec"])
+    pod = builders.build_pod(builders.JobRef.from_body(body), spec, 0, 0)
+    mine = [e["name"] for e in pod["spec"]["containers"][0]["env"]].index("MY_VAR")
+    assert rejections.spec_field(pod_field.format(mine=mine), pod, spec) == expected
+
+
+@pytest.mark.parametrize("status, message, reason, permanent, field", [
+    (403, 'pods "x" is forbidden: no PriorityClass with name urgent was found', "PodRejected", True,
+     "spec.resources.priorityClassName"),
+    (403, 'pods "x" is forbidden: error looking up service account ns/trainer: serviceaccount "trainer" not found',
+     "PodRejected", True, "spec.resources.serviceAccountName"),
+    (403, 'pods "x" is forbidden: exceeded quota: q, requested: limits.memory=64Gi, used: limits.memory=0, '
+     'limited: limits.memory=32Gi', "QuotaExceeded", True, "spec.resources"),
+])
+def test_admission_refusals(status, message, reason, permanent, field):
+    body = job_body()
+    spec = builders.parse_spec(body["spec"])
+    pod = builders.build_pod(builders.JobRef.from_body(body), spec, 0, 0)
+    rej = rejections.from_api_error(status, {"message": message}, pod, spec)
+    assert (rej.reason, rej.permanent) == (reason, permanent)
+    assert field in rej.message
+
+
+def test_quantities():
+    q = rejections.parse_quantity
+    assert (q("500m"), q("2"), q("64Gi"), q("1e3"), q("1.5G")) == (
+        q("0.5"), 2, 64 * 2 ** 30, 1000, 1_500_000_000)
+    assert q("lots") is None
