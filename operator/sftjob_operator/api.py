@@ -388,7 +388,8 @@ class RunPolicy(_Spec):
 
     backoff_limit: int = Field(
         default=3, ge=0, le=1000,
-        description="Failed attempts (a rank exiting 1..127) allowed before the job fails.",
+        description="Failed attempts (a rank exiting 1 or 3..127, OOM-killed, or a hang the progress watchdog "
+        "caught) allowed before the job fails. Exit 2 (invalid config or data) fails the job at once.",
     )
     preemption_limit: int = Field(
         default=20, ge=0, le=10000,
@@ -491,7 +492,8 @@ class Condition(_Spec):
 class RestartCounts(_Spec):
     """Gang restarts, by cause."""
 
-    failures: int = Field(default=0, description="Restarts after a rank failed (exit 1..127); spends runPolicy.backoffLimit.")
+    failures: int = Field(default=0, description="Restarts after a rank failed (exit 1 or 3..127, OOM-killed, "
+                          "hung); spends runPolicy.backoffLimit.")
     preemptions: int = Field(default=0, description="Restarts after a pod was preempted, evicted, deleted or lost its node.")
     total: int = Field(default=0, description="failures + preemptions.")
 

@@ -28,7 +28,7 @@ from . import api, builders, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
 from . import ttl
-from .rejections import Rejection
+from .rejections import Rejection, explain_waiting
 
 TERMINAL = ("Succeeded", "Failed")
 PROGRESS_INTERVAL_S = 5.0    # how often a running job's progress is refreshed
@@ -403,27 +403,6 @@ class _Pass:
         if self.st != {**initial_status(), **{k: v for k, v in self.old.items() if k != "kopf"}}:
             self.plan.status = self.st
         return self.plan
-
-
-def explain_waiting(spec: api.SFTJobSpec, reason: str, message: str) -> str:
-    """Why a pod waits, naming the spec field behind it where one is (a Secret reference)."""
-    if not reason:
-        return ""
-    text = f"{reason}: {message}" if message else reason
-    refs = []
-    if spec.storage.credentials_secret_ref:
-        refs.append(("spec.storage.credentialsSecretRef.name", spec.storage.credentials_secret_ref.name))
-    for var in spec.resources.env or []:
-        src = var.value_from
-        ref = src and (src.secret_key_ref or src.config_map_key_ref)
-        if ref:
-            refs.append((f"spec.resources.env[{var.name}].valueFrom", ref.name))
-    for path, name in refs:
-        if f'"{name}" not found' in message or f"{name}" in message.split(" "):
-            return f"{path} ({name}): {text}"
-    if reason == "Unschedulable":
-        return f"{text} (check spec.resources: cpu, memory, gpusPerNode, nodeSelector, tolerations)"
-    return text
 
 
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,

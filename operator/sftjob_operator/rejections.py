@@ -1,5 +1,5 @@
-"""When the API server refuses a pod of the gang: which spec field is to blame, and whether
-waiting can help. Pure; no I/O.
+"""When the API server refuses a pod of the gang, or a pod waits: which spec field is to
+blame, and whether waiting can help. Pure; no I/O.
 
 The CRD rejects most bad specs at `kubectl apply`. What only pod admission or the state of
 the cluster can judge reaches the operator as an error on `create pod`: a 422 from pod
@@ -116,6 +116,10 @@ def from_api_error(status: int, body: Any, pod: dict[str, Any], spec: api.SFTJob
     causes = (st.get("details") or {}).get("causes") or []
     if status == 403 and "exceeded quota" in message:
         return _quota(message)
+    if status == 403 and "status unknown for quota" in message:
+        # A new ResourceQuota whose usage the controller has not counted yet: soon known.
+        return Rejection(c.REASON_QUOTA_EXCEEDED, f"waiting for the namespace quota to be counted: {message}",
+                         permanent=False)
     fields = []
     for cause in causes:
         name = spec_field(cause.get("field", ""), pod, spec)
@@ -172,3 +176,24 @@ def _quota(message: str) -> Rejection:
                          "lower spec.resources.cpu/memory/gpusPerNode or raise the quota", permanent=True)
     return Rejection(c.REASON_QUOTA_EXCEEDED,
                      f"waiting for namespace quota held by other workloads: {message}", permanent=False)
+
+
+def explain_waiting(spec: api.SFTJobSpec, reason: str, message: str) -> str:
+    """Why a pod waits, naming the spec field behind it where one is (a Secret reference)."""
+    if not reason:
+        return ""
+    text = f"{reason}: {message}" if message else reason
+    refs = []
+    if spec.storage.credentials_secret_ref:
+        refs.append(("spec.storage.credentialsSecretRef.name", spec.storage.credentials_secret_ref.name))
+    for var in spec.resources.env or []:
+        src = var.value_from
+        ref = src and (src.secret_key_ref or src.config_map_key_ref)
+        if ref:
+            refs.append((f"spec.resources.env[{var.name}].valueFrom", ref.name))
+    for path, name in refs:
+        if f'"{name}" not found' in message or f"{name}" in message.split(" "):
+            return f"{path} ({name}): {text}"
+    if reason == "Unschedulable":
+        return f"{text} (check spec.resources: cpu, memory, gpusPerNode, nodeSelector, tolerations)"
+    return text

@@ -20,20 +20,22 @@ def free_port() -> int:
 class OperatorProcess:
     """`sftjob-operator --all-namespaces` in the background; can be killed and restarted."""
 
-    def __init__(self, env: dict[str, str], log_path: Path):
+    def __init__(self, env: dict[str, str], log_path: Path, namespaces: list[str] | None = None):
         self.env = {**os.environ, **env}
         self.log_path = log_path
         self.metrics_port = free_port()
         self.liveness_port = free_port()
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        # One namespace (or a few) keeps this operator off the jobs of tests running beside it.
+        self.scope = [a for ns in namespaces for a in ("--namespace", ns)] if namespaces else ["--all-namespaces"]
 
     def start(self) -> None:
         log = open(self.log_path, "a")
         log.write(f"\n===== start {self.starts} at {time.strftime('%H:%M:%S')} =====\n")
         log.flush()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sftjob_operator.cli", "--all-namespaces", "--watch-timeout", "120",
+            [sys.executable, "-m", "sftjob_operator.cli", *self.scope, "--watch-timeout", "120",
              "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port)],
             env=self.env, stdout=log, stderr=subprocess.STDOUT)
         self.starts += 1

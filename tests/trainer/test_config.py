@@ -74,3 +74,20 @@ def test_schema_has_descriptions_everywhere():
     for name, section in schema["$defs"].items():
         for field, prop in section["properties"].items():
             assert prop.get("description"), f"{name}.{field} has no description"
+
+
+@pytest.mark.parametrize("section, values, field", [
+    ("optim", {"betas": [1.0, 0.95]}, r"optim\.betas\.0"),
+    ("optim", {"betas": [0.9, -0.5]}, r"optim\.betas\.1"),
+    ("trainer", {"output_dir": "o", "seed": -1}, r"trainer\.seed"),
+    ("data", {"train_files": "x", "prompt_key": "text", "response_key": "text"}, r"prompt_key and data\.response_key"),
+])
+def test_values_that_would_fail_later_are_refused_naming_the_field(section, values, field):
+    with pytest.raises(ConfigError, match=field):
+        build_config({**MINIMAL, section: values})
+
+
+def test_same_prompt_and_response_column_is_fine_for_chat_data():
+    cfg = build_config({**MINIMAL, "data": {"train_files": "x", "messages_key": "messages",
+                                            "prompt_key": "m", "response_key": "m"}})
+    assert cfg.data.messages_key == "messages"

@@ -272,3 +272,23 @@ def test_sigterm_is_not_stuck_behind_a_slow_upload(minio, s3env, caplog):
     assert "not waiting for checkpoint step-1" in caplog.text
     assert ck.wait() == 2
     assert ck.verify(2) is None and ck.resumable() == 2
+
+
+def test_last_committed_step_is_reported_only_after_the_upload_commits(minio, s3env):
+    """status.progress.lastCheckpointStep (the trainer's last_checkpoint_step gauge) must
+    never name a checkpoint that is still uploading and could yet be lost."""
+    import signal
+
+    ck = checkpoints(f"s3://{BUCKET}/faults/report", s3env, deadline_s=120.0)
+    committed: list[int] = []
+    ck.on_commit = committed.append
+    model, opt = small_model()
+    minio.proc.send_signal(signal.SIGSTOP)
+    try:
+        ck.save(model, opt, state(1))  # written locally; its upload hangs
+        time.sleep(1.0)
+        assert committed == []
+    finally:
+        minio.proc.send_signal(signal.SIGCONT)
+    assert ck.wait() == 1
+    assert committed == [1]

@@ -21,6 +21,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -186,6 +187,7 @@ class LocalCheckpoints:
         self.store = LocalCheckpointDir(root)
         self.rank, self.keep = rank, keep
         self.where = str(root)
+        self.on_commit: Callable[[int], None] | None = None  # called with the step once committed
 
     def resumable(self) -> int | None:
         step = find_resumable(self.store) if self.rank == 0 else None
@@ -199,6 +201,8 @@ class LocalCheckpoints:
         """Returns the seconds training was blocked (saves here are synchronous)."""
         t0 = time.perf_counter()
         save(self.store, model, optimizer, state, self.rank, self.keep)
+        if self.on_commit is not None:
+            self.on_commit(state.step)
         return time.perf_counter() - t0
 
     def wait(self, raise_errors: bool = True, until: float | None = None) -> int | None:  # noqa: ARG002

@@ -42,6 +42,9 @@ class S3Checkpoints:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: Future | None = None
         self._pending_step: int | None = None
+        # Called on rank 0 with the step once its marker is written (from the upload thread):
+        # what the trainer reports as its last committed checkpoint.
+        self.on_commit: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------------ resume
 
@@ -127,6 +130,8 @@ class S3Checkpoints:
             self.s3.put_text("checkpoints/latest", f"{step}\n", deadline)
             log.info("checkpoint %s/step-%d committed (%d files, upload %.2fs)", self.where, step, len(merged),
                      time.perf_counter() - t0)
+            if self.on_commit is not None:
+                self.on_commit(step)
             self._prune(step)
         shutil.rmtree(d, ignore_errors=True)
         return step

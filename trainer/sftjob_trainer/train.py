@@ -99,6 +99,9 @@ class Trainer:
                                cfg.trainer.metrics_port if world.is_main else 0)
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
+        # Reported when the checkpoint commits (for s3://, after its upload), not when written.
+        self.checkpoints.on_commit = lambda step: self.metrics.gauge(last_checkpoint_step=step,
+                                                                     last_checkpoint_time=time.time())
 
     # ------------------------------------------------------------------ resume / save
 
@@ -135,8 +138,7 @@ class Trainer:
         self.last_committed = self.state.step
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
                  "" if final or not self.outputs.remote else " (uploading in the background)")
-        self.metrics.gauge(last_checkpoint_step=self.state.step, checkpoint_save_seconds=blocked,
-                           last_checkpoint_time=time.time())
+        self.metrics.gauge(checkpoint_save_seconds=blocked)
         self.outputs.publish_metrics()
 
     # ------------------------------------------------------------------ loop
