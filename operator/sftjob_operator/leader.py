@@ -186,6 +186,9 @@ class LeaderElector:
         now = _micro_time(datetime.now(timezone.utc))
         try:
             lease = self.lock.get(timeout)
+            if lease is None and self.is_leader:
+                self.holder = ""   # deleted under us: a standby may be creating it right now
+                return False
             if lease is None:
                 spec = {"holderIdentity": me, "leaseDurationSeconds": int(round(self.cfg.lease_duration)),
                         "acquireTime": now, "renewTime": now, "leaseTransitions": 0}
@@ -198,9 +201,9 @@ class LeaderElector:
                 self._observed_rv, self._observed_at = rv, started
             holder = spec.get("holderIdentity") or ""
             self.holder = holder
+            if self.is_leader and holder != me:
+                return False       # taken or cleared under us: the renew loop ends this process
             if holder and holder != me:
-                if self.is_leader:
-                    return False   # someone else holds it: the renew loop ends this process
                 duration = spec.get("leaseDurationSeconds") or self.cfg.lease_duration
                 if started - self._observed_at < duration:
                     return False
@@ -287,8 +290,8 @@ class LeaderElector:
                 remaining = self.renewed_at + self.cfg.renew_deadline - self.clock()
                 ok = self.try_acquire_or_renew(timeout=max(0.5, min(remaining, self.cfg.renew_deadline / 2)))
                 holder = self.holder
-            if not ok and holder and holder != self.cfg.identity:
-                self._lose(f"{holder} holds it now")
+            if not ok and holder != self.cfg.identity:
+                self._lose(f"{holder} holds it now" if holder else "the Lease was cleared or deleted")
                 return
 
     def _watchdog(self) -> None:
