@@ -198,7 +198,7 @@ class Injector:
         self._force_delete(victim)
         f.target = victim["metadata"]["name"]
         f.detail = f"force-delete (grace 0) 1 of {len(pods)} operator pods"
-        f.extra.update(before=[p["metadata"]["name"] for p in pods], victims=[f.target])
+        f.extra.update(operators_before=[p["metadata"]["name"] for p in pods], victims=[f.target])
 
     def _operator_kill_all(self, f: Fault, attempt: int) -> None:
         pods = wait_for(self.operators_running, 180, "a running operator pod")
@@ -207,7 +207,7 @@ class Injector:
             self._force_delete(p)
         f.target = ",".join(p["metadata"]["name"] for p in pods)
         f.detail = f"force-delete (grace 0) all {len(pods)} operator pods"
-        f.extra.update(before=[p["metadata"]["name"] for p in pods], victims=[p["metadata"]["name"] for p in pods])
+        f.extra.update(operators_before=[p["metadata"]["name"] for p in pods], victims=[p["metadata"]["name"] for p in pods])
 
     def _force_delete(self, pod: dict) -> None:
         try:
@@ -241,19 +241,18 @@ def minio_stop(cfg) -> None:
 
 
 def minio_start(cfg, timeout: float = 120) -> None:
-    """Start MinIO again exactly as `up` does (same command line, data directory and
-    credentials), and wait until it is live."""
+    """Start MinIO again exactly as `up` does (same command line, data directory, credentials,
+    pid file and log), and wait until it is live. Unlike `up`, no free-port check first: the
+    connections the old MinIO closed linger in TIME_WAIT, which a plain bind() test mistakes
+    for a taken port, while MinIO itself binds with SO_REUSEADDR."""
     sec = lc.ensure_secrets(cfg)
     argv, env = lc._argv(cfg, "minio", sec)
-    deadline = time.time() + timeout
-    while True:  # the old process may hold the port for a moment after it exited
-        try:
-            lc._start(cfg, "minio", argv, env)
-            break
-        except RuntimeError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.3)
+    logf = cfg.logs / "minio.log"
+    script = 'exec 0</dev/null; "$@" >>"$LOG" 2>&1 & echo $!'
+    out = subprocess.run(["setsid", "sh", "-c", script, "sh", *argv], check=True, capture_output=True, text=True,
+                         env={**(env or os.environ), "LOG": str(logf)}, cwd=str(lc.C.REPO))
+    (cfg.pids / "minio.pid").write_text(out.stdout.strip())
+    (cfg.pids / "minio.config").write_text(lc._fingerprint(argv))
     lc._wait(cfg, "minio", timeout)
 
 

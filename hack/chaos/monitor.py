@@ -37,7 +37,7 @@ class Attempt:
     newest_committed: int | None  # newest COMMITTED checkpoint seen before that
 
 
-@dataclass
+@dataclass(eq=False)
 class Monitor(threading.Thread):
     kube: Any
     s3: Any

@@ -160,19 +160,29 @@ def manifest(args: argparse.Namespace, name: str) -> dict[str, Any]:
     spec["checkpoint"] = {"interval": args.interval, "keep": args.keep}
     spec["runPolicy"].update(restartBackoffSeconds=0, preemptionLimit=1000, backoffLimit=5,
                              ttlSecondsAfterFinished=3600)
+    obj["metadata"]["labels"]["sftjob.io/chaos-spec"] = spec_hash(obj)
     return obj
 
 
-def delete_jobs(ctx: Ctx) -> None:
+def spec_hash(obj: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj["spec"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def delete_jobs(ctx: Ctx, keep: str | None = None) -> None:
     """Remove earlier chaos jobs (this namespace is ours) and wait for their pods to go."""
     ns = ctx.args.namespace
     for j in ctx.kube.get(JOBS.format(ns=ns))["items"]:
+        if j["metadata"]["name"] == keep:
+            continue
         try:
             ctx.kube.delete(f"{JOBS.format(ns=ns)}/{j['metadata']['name']}")
         except ApiError as e:
             if e.status != 404:
                 raise
-    wait_for(lambda: not ctx.kube.get(JOBS.format(ns=ns))["items"], 120, "old chaos jobs to go")
+    wait_for(lambda: all(j["metadata"]["name"] == keep for j in ctx.kube.get(JOBS.format(ns=ns))["items"]), 120,
+             "old chaos jobs to go")
     wait_for(lambda: not ctx.kube.get(f"/api/v1/namespaces/{ns}/pods",
                                       labelSelector="app.kubernetes.io/managed-by=sftjob-operator")["items"],
              180, "old chaos pods to go")
@@ -273,7 +283,7 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random) -> list[Fa
             if kind != "minio-outage":
                 time.sleep(rng.uniform(0.0, 1.0))
             f = Fault(index=i + 1, kind=kind, at_step=step)
-            f.extra["before"] = restarts(mon.snapshot())
+            f.extra["restarts_before"] = restarts(mon.snapshot())
             f.extra["newest_committed"] = mon.newest_committed()
             inj.inject(f, attempt)
             faults.append(f)
@@ -281,14 +291,14 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random) -> list[Fa
                 f"{f.target}: {f.detail}")
             # 3. the fault's effect
             if kind in RESTARTING:
-                before = sum(f.extra["before"].values())
+                before = sum(f.extra["restarts_before"].values())
                 wait_for(lambda: sum(restarts(mon.snapshot()).values()) > before, a.effect_timeout,
                          f"the restart after {kind}")
                 if kind == "node-lost":
                     time.sleep(1.0)
                     inj.restore_nodes()
             elif kind.startswith("operator-kill"):
-                wait_for(lambda: inj.operators_recovered(f.extra["before"], f.extra["victims"]), a.effect_timeout,
+                wait_for(lambda: inj.operators_recovered(f.extra["operators_before"], f.extra["victims"]), a.effect_timeout,
                          "the operator pods to come back")
                 f.extra["operators_after"] = [p["metadata"]["name"] for p in inj.operators_running()]
             elif kind == "minio-outage":
@@ -306,8 +316,8 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random) -> list[Fa
 def attribute(faults: list[Fault], mon: Monitor, end: dict) -> None:
     """Each fault's observed effect: the restart counters from its injection to the next one's."""
     for k, f in enumerate(faults):
-        after = faults[k + 1].extra["before"] if k + 1 < len(faults) else restarts(end)
-        before = f.extra["before"]
+        after = faults[k + 1].extra["restarts_before"] if k + 1 < len(faults) else restarts(end)
+        before = f.extra["restarts_before"]
         d = {c: after[c] - before[c] for c in before}
         exp = {"preemptions": 1 if f.expected_cause == PREEMPTION else 0, "failures": 0}
         f.ok = d == exp
@@ -401,6 +411,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--job-timeout", type=float, default=1800)
     p.add_argument("--workdir", type=Path, default=REPO / ".cache" / "chaos")
     p.add_argument("--skip-install", action="store_true", help="the release is installed already")
+    p.add_argument("--reuse-reference", action="store_true",
+                   help="keep a Succeeded reference job of the same spec from an earlier run instead of rerunning it")
     args = p.parse_args(argv)
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     bad = [k for k in args.kinds if k not in KINDS]
@@ -429,15 +441,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_install:
         install_operator(ctx)
     make_assets(ctx)
-    delete_jobs(ctx)
+    ref_name, run_name = f"chaos-ref-{args.seed}", f"chaos-run-{args.seed}"
+    ref_obj = manifest(args, ref_name)
+    old = ctx.get_job(ref_name) if args.reuse_reference else None
+    reuse = bool(old and (old.get("status") or {}).get("phase") == "Succeeded" and
+                 old["metadata"].get("labels", {}).get("sftjob.io/chaos-spec") == spec_hash(ref_obj))
+    delete_jobs(ctx, keep=ref_name if reuse else None)
 
     # -- the reference run ----------------------------------------------------------------
-    ref_name, run_name = f"chaos-ref-{args.seed}", f"chaos-run-{args.seed}"
-    say(f"reference job {args.namespace}/{ref_name}: {args.steps} steps, checkpoint every {args.interval}, "
-        f"keep {args.keep}, S3 output; no faults")
-    ctx.kube.create(JOBS.format(ns=args.namespace), manifest(args, ref_name))
     t = time.time()
-    ref = wait_finished(ctx, ref_name, args.job_timeout)
+    if reuse:
+        ref = old
+        say(f"reference job {args.namespace}/{ref_name}: reusing the earlier run of the same spec (--reuse-reference)")
+    else:
+        say(f"reference job {args.namespace}/{ref_name}: {args.steps} steps, checkpoint every {args.interval}, "
+            f"keep {args.keep}, S3 output; no faults")
+        ctx.kube.create(JOBS.format(ns=args.namespace), ref_obj)
+        ref = wait_finished(ctx, ref_name, args.job_timeout)
     say(f"reference: {ref['status']['phase']} in {time.time() - t:.0f}s, restarts {ref['status'].get('restarts')}")
     summary["reference"] = {"phase": ref["status"]["phase"], "seconds": round(time.time() - t),
                             "restarts": ref["status"].get("restarts"), "uri": (ref["status"].get("output") or {}).get("uri")}

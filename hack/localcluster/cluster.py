@@ -35,7 +35,8 @@ COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-schedul
 # collection, namespace deletion, service accounts and their tokens, endpoints for headless
 # Services, workload controllers used by Helm charts (Deployment/ReplicaSet/Job), the
 # kube-root-ca.crt publisher for projected service-account volumes, PodDisruptionBudget status for
-# the Eviction API, NoExecute taint eviction and pod garbage collection for node loss.
+# the Eviction API, NoExecute taint eviction and pod garbage collection for node loss, and
+# ResourceQuota usage (without it a quota's admission refuses every pod: "status unknown").
 KCM_CONTROLLERS = ",".join([
     "garbage-collector-controller", "namespace-controller", "serviceaccount-controller",
     "serviceaccount-token-controller", "endpoints-controller", "endpointslice-controller",
@@ -45,6 +46,7 @@ KCM_CONTROLLERS = ",".join([
     "taint-eviction-controller", "pod-garbage-collector-controller",
     # the built-in admin/edit/view ClusterRoles are assembled by aggregation
     "clusterrole-aggregation-controller",
+    "resourcequota-controller",
 ])
 
 
@@ -128,6 +130,9 @@ def _check_ports(cfg: C.ClusterConfig, name: str) -> None:
     else's etcd, say)."""
     for host, port, kind in _ports(cfg, name):
         with socket.socket(socket.AF_INET, kind) as s:
+            # As the components' own listeners do: connections of a just-stopped cluster
+            # lingering in TIME_WAIT do not hold the port.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as e:

@@ -114,7 +114,7 @@ class ModelSpec(_ModelBase):  # type: ignore[misc,valid-type]
     """The base model to fine-tune (the trainer's `model` section). Immutable once created."""
 
 
-_uri_items = {"items": {"type": "string", "maxLength": 4096,
+_uri_items = {"items": {"type": "string", "maxLength": 1024,
                          **_rules(_cel(_URI_RULE, "every file " + _URI_MESSAGE))}}
 _DataBase = create_model(  # type: ignore[call-overload]
     "_DataBase", __base__=_Spec,
@@ -274,9 +274,9 @@ class ResourcesSpec(_Spec):
     node_selector: dict[str, str] | None = Field(
         default=None, description="Node labels the pods must match.",
         json_schema_extra={"maxProperties": 64, "additionalProperties": {"type": "string", "maxLength": 63}, **_rules(
-            _cel(f"self.all(k, k.size() <= 316 && k.matches('{_QUALIFIED_NAME}'))",
+            _cel(f"self.all(k, k.size() <= 316 && k.matches(r'{_QUALIFIED_NAME}'))",
                  "every key must be a valid label key ([prefix/]name, name of at most 63 alphanumerics, '-', '_', '.')"),
-            _cel(f"self.all(k, self[k].matches('{_LABEL_VALUE}'))",
+            _cel(f"self.all(k, self[k].matches(r'{_LABEL_VALUE}'))",
                  "every value must be a valid label value (at most 63 alphanumerics, '-', '_', '.')"))},
     )
     tolerations: list[Toleration] | None = Field(default=None, description="Tolerations of the pods.", max_length=64)
