@@ -106,12 +106,12 @@ def test_leader_killed_mid_job_standby_takes_over(cluster, example_ns, pair):
     try:
         wait_job(cluster, ns, name, a, checkpointed(5), what="a committed checkpoint")
         # The standby has done nothing while the leader lives.
-        assert a.metric("sftjob_operator_reconciles_total") > 0
-        if not other_operators():  # a cluster-wide operator of another test run may create them first
-            assert a.metric("sftjob_operator_pods_created_total") == 2
         assert b.metric("sftjob_operator_leader") == 0, "two leaders"
         assert b.metric("sftjob_operator_reconciles_total") == 0, "the standby reconciled"
         assert b.metric("sftjob_operator_pods_created_total") == 0, "the standby created pods"
+        assert a.metric("sftjob_operator_reconciles_total") > 0
+        if not other_operators():  # a cluster-wide operator of another test run may create them first
+            assert a.metric("sftjob_operator_pods_created_total") == 2
         assert holder(cluster, ns).startswith("op-a_")
 
         a.kill()  # SIGKILL mid-job: no release, the Lease must expire
