@@ -154,19 +154,25 @@ async def _get_lease(ctx):
 
 
 async def _create_lease(ctx):
-    # leader.LeaseLock.create, as the first candidate calls it, with dryRun=All.
-    await asyncio.to_thread(_lease_lock(ctx).create, {"holderIdentity": "rbac-probe", "leaseDurationSeconds": 15},
-                            10, True)
+    # leader.LeaseLock.create, as the first candidate calls it, with dryRun=All. The test has
+    # created the Lease already: an authorized create answers 409 (authorization comes first).
+    try:
+        await asyncio.to_thread(_lease_lock(ctx).create, {"holderIdentity": "rbac-probe",
+                                                          "leaseDurationSeconds": 15}, 10, True)
+    except ApiException as err:
+        if err.status != 409:
+            raise
 
 
 async def _update_lease(ctx):
-    # leader.LeaseLock.update (renew, take over, release); the probe's Lease does not
-    # exist, so an authorized call answers 404.
+    # leader.LeaseLock.update (renew, take over, release): conditional on a resourceVersion,
+    # here a stale one, so an authorized call on the Lease the test created answers 409 and
+    # changes nothing. (A PUT of a missing Lease would create it: create-on-update.)
     meta = {"name": ctx.lease, "namespace": ctx.namespace, "resourceVersion": "1"}
     try:
         await asyncio.to_thread(_lease_lock(ctx).update, {"metadata": meta}, {"holderIdentity": "rbac-probe"}, 10)
     except ApiException as err:
-        if err.status != 404:
+        if err.status != 409:
             raise
 
 
