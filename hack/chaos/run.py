@@ -323,7 +323,7 @@ def attribute(faults: list[Fault], mon: Monitor, end: dict) -> None:
         f.ok = d == exp
         parts = [f"preemptions +{d['preemptions']}", f"failures +{d['failures']}"]
         if f.kind.startswith("operator-kill"):
-            parts.append("operator back: " + ",".join(f.extra.get("operators_after", [])))
+            parts.append(f"operator back ({len(f.extra.get('operators_after', []))} pods, new ones)")
         f.observed = ", ".join(parts)
         # why the operator restarted the gang (the Restarting condition's message at the time)
         reasons = []
@@ -424,6 +424,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def short(target: str) -> str:
+    """Operator pod names without the release prefix (the table stays readable)."""
+    return ",".join(t.rsplit("-", 2)[-2] + "-" + t.rsplit("-", 1)[-1] if t.count("-") > 3 and "operator" in t else t
+                    for t in target.split(","))
+
+
 def table(rows: list[list[str]], header: list[str]) -> list[str]:
     w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     fmt = lambda r: "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)).rstrip()  # noqa: E731
@@ -496,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     attribute(faults, mon, st)
     print()
     print("Faults (seed %d):" % args.seed)
-    rows = [[f.index, f.kind, f.at_step if f.at_step is not None else "?", f.target[:40], f.expected, f.observed,
+    rows = [[f.index, f.kind, f.at_step if f.at_step is not None else "?", short(f.target), f.expected, f.observed,
              "ok" if f.ok else "MISMATCH"] for f in faults]
     for line in table(rows, ["#", "fault", "step", "target", "expected effect", "observed", ""]):
         print("  " + line)

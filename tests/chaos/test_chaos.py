@@ -55,9 +55,9 @@ def test_restarts_are_attributed_to_the_fault_before_them():
     class Mon:
         samples: list = []
 
-    f1 = Fault(1, "pod-delete", t=1.0, extra={"before": {"preemptions": 0, "failures": 0}})
-    f2 = Fault(2, "operator-kill", t=2.0, extra={"before": {"preemptions": 1, "failures": 0}})
-    f3 = Fault(3, "trainer-sigkill", t=3.0, extra={"before": {"preemptions": 1, "failures": 0}})
+    f1 = Fault(1, "pod-delete", t=1.0, extra={"restarts_before": {"preemptions": 0, "failures": 0}})
+    f2 = Fault(2, "operator-kill", t=2.0, extra={"restarts_before": {"preemptions": 1, "failures": 0}})
+    f3 = Fault(3, "trainer-sigkill", t=3.0, extra={"restarts_before": {"preemptions": 1, "failures": 0}})
     attribute([f1, f2, f3], Mon(), {"restarts": {"preemptions": 1, "failures": 1, "total": 2}})
     assert f1.ok and f2.ok
     assert not f3.ok and "failures +1" in f3.observed  # a SIGKILL counted as a failure is a miscount
