@@ -192,7 +192,8 @@ def explain_waiting(spec: api.SFTJobSpec, reason: str, message: str) -> str:
         if ref:
             refs.append((f"spec.resources.env[{var.name}].valueFrom", ref.name))
     for path, name in refs:
-        if f'"{name}" not found' in message or f"{name}" in message.split(" "):
+        # kubelet: 'secret "NAME" not found', or "couldn't find key K in Secret NS/NAME"
+        if f'"{name}"' in message or message.rstrip().endswith(f"/{name}"):
             return f"{path} ({name}): {text}"
     if reason == "Unschedulable":
         return f"{text} (check spec.resources: cpu, memory, gpusPerNode, nodeSelector, tolerations)"

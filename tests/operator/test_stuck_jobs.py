@@ -196,3 +196,50 @@ def test_quantities():
     assert (q("500m"), q("2"), q("64Gi"), q("1e3"), q("1.5G")) == (
         q("0.5"), 2, 64 * 2 ** 30, 1000, 1_500_000_000)
     assert q("lots") is None
+
+
+def test_path_storage_lives_on_the_claim_mounted_at_that_path_on_every_rank():
+    """A path storage.uri without a volume vanished with each container (restarts began at
+    step 0, status.output.uri named nothing); the claim is now mounted at that path."""
+    body = job_body({"storage": {"uri": "/shared/runs", "persistentVolumeClaim": {"claimName": "team-nfs"}}})
+    spec = builders.parse_spec(body["spec"])
+    for pod in builders.build_pods(builders.JobRef.from_body(body), spec, 0):
+        mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert mounts["storage"]["mountPath"] == "/shared/runs"
+        assert volumes["storage"]["persistentVolumeClaim"] == {"claimName": "team-nfs"}
+    assert builders.model_uri(builders.JobRef.from_body(body), spec).startswith("/shared/runs/team-a/tiny/")
+
+
+def test_a_hung_api_call_times_out(monkeypatch):
+    """An API server that accepts a connection and never answers must not freeze a job's
+    reconcile for good: every call has a deadline."""
+    import asyncio
+    import socket
+    import threading
+
+    import kubernetes
+
+    from sftjob_operator import kube
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    held = []
+    threading.Thread(target=lambda: held.append(server.accept()), daemon=True).start()
+    conf = kubernetes.client.Configuration()
+    conf.host = f"http://127.0.0.1:{server.getsockname()[1]}"
+    monkeypatch.setattr(kube, "API_TIMEOUT", (0.5, 0.5))
+    client = kube.Kube(kubernetes.client.ApiClient(conf))
+
+    async def call():
+        return await asyncio.wait_for(client.list_pods("ns", "job"), timeout=20)
+
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:
+        asyncio.run(call())
+    assert not isinstance(err.value, asyncio.TimeoutError), "the call hung until the test's own limit"
+    assert time.monotonic() - t0 < 10
+    server.close()
