@@ -27,6 +27,7 @@ from typing import Any
 from . import api, builders, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
+from . import queueing
 from . import ttl
 from .rejections import Rejection, explain_waiting
 
@@ -106,6 +107,7 @@ class _Pass:
         self.node_ready = node_ready or {}
         self.metrics = metrics
         self.rejection = rejection
+        self.queued = False   # the current gang waits for Kueue's admission (judge)
         self.plan = Plan()
 
     # -- helpers ------------------------------------------------------------------------
@@ -193,6 +195,10 @@ class _Pass:
             self.st.pop("restartAfter", None)
             self.set_phase("Suspended", c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
             self.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
+            if c.get_condition(self.st["conditions"], queueing.ADMITTED):
+                self.set_admitted(False, c.REASON_SUSPENDED,
+                                  "suspended: the pods are deleted, which finishes the pod group's Workload "
+                                  "and releases its quota; resuming queues a new pod group")
         self.stop(self.pods, finished_too=True)
         if any(p["metadata"].get("deletionTimestamp") for p in self.pods):
             self.requeue(STALE_POLL_S)
@@ -258,8 +264,13 @@ class _Pass:
 
     def launch(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
-        self.plan.launch = [builders.build_pod(self.job, self.spec, r, attempt)
+        group = queueing.pod_group(self.meta, self.job.uid, attempt, nodes)
+        self.plan.launch = [builders.build_pod(self.job, self.spec, r, attempt, group=group)
                             for r in range(nodes) if r not in current]
+        if group[0]:
+            name = group[0][queueing.GROUP_LABEL]
+            self.set_admitted(False, queueing.REASON_WAITING,
+                              queueing.queued_message(queueing.queue_name(self.meta), name, []))
         self.plan.launched_status = {"launchedAttempt": attempt, "launchTime": iso(self.now)}
         self.requeue(STARTING_POLL_S)
 
@@ -272,9 +283,11 @@ class _Pass:
             self.stop(list(current.values()), finished_too=True)
             return
         rp = self.spec.run_policy
-        since = parse_time(self.st.get("restartAfter")) or parse_time(self.meta.get("creationTimestamp")) or self.now
-        waited = (self.now - since).total_seconds()
-        if waited >= rp.startup_deadline_seconds:
+        # Waiting since the job last stopped being Ready (created, or restarted): stable
+        # across the retries below, unlike restartAfter.
+        ready = c.get_condition(self.st.get("conditions") or [], c.READY)
+        since = parse_time(ready.get("lastTransitionTime") if ready else None) or self.now
+        if (self.now - since).total_seconds() >= rp.startup_deadline_seconds:
             self.fail(c.REASON_STARTUP_DEADLINE,
                       f"pods could not be created for {rp.startup_deadline_seconds}s "
                       f"(runPolicy.startupDeadlineSeconds): {rej.message}")
@@ -283,10 +296,44 @@ class _Pass:
         if self.reason_changed_to(rej.reason):
             self.event("Warning", rej.reason, rej.message)
         self.set_phase("Pending", rej.reason, rej.message)
+        if current:
+            # Part of the gang exists: it would hold quota while waiting for the rest (and its
+            # rendezvous would time out). Retire it, uncounted, and try the whole gang again.
+            self.stop(list(current.values()), finished_too=True)
+            self.st["attempt"] = self.st.get("attempt", 0) + 1
+        self.st["restartAfter"] = iso(self.now + timedelta(seconds=QUOTA_RETRY_S))
         self.requeue(QUOTA_RETRY_S)
+
+    def set_admitted(self, admitted: bool, reason: str, message: str) -> None:
+        """The `Admitted` condition of a job queued by Kueue; its lastTransitionTime to True
+        is when the operator saw the gang's gates removed (the startup deadline starts then)."""
+        self.st["conditions"] = c.set_condition(self.st.get("conditions", []), queueing.ADMITTED, admitted,
+                                                reason, message, iso(self.now), self.generation)
+
+    def track_admission(self, current: dict[int, dict[str, Any]]) -> bool:
+        """For a gang in a Kueue pod group: record whether it is admitted. True while any
+        pod of the gang is still gated (queued)."""
+        pods = list(current.values())
+        group = next((queueing.group_of(p) for p in pods if queueing.group_of(p)), None)
+        if group is None:
+            return False
+        queue = next((p["metadata"]["labels"].get(queueing.QUEUE_LABEL) for p in pods), None)
+        gates = sorted({g for p in pods for g in queueing.kueue_gates(p)})
+        if any(queueing.is_queued(p) for p in pods):
+            self.set_admitted(False, queueing.REASON_WAITING, queueing.queued_message(queue, group, gates))
+            return True
+        if not any(queueing.managed(p) for p in pods):
+            self.set_admitted(True, queueing.REASON_NOT_MANAGED,
+                              f"pod group {group} was never gated by Kueue, so it runs outside any quota: is Kueue's "
+                              "pod integration enabled for this namespace (managedJobsNamespaceSelector)?")
+            return False
+        self.set_admitted(True, queueing.REASON_ADMITTED,
+                          f"Kueue admitted pod group {group} (LocalQueue {queue}); its pods are ungated")
+        return False
 
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
+        self.queued = self.track_admission(current)
         outcomes = {r: fp.classify_pod(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", "")))
                     for r, p in current.items()}
         verdict = fp.judge_gang(outcomes, nodes)
@@ -330,12 +377,22 @@ class _Pass:
     def starting(self, verdict: fp.GangVerdict) -> None:
         """Pods not all running yet: say what they wait for; fail at the startup deadline."""
         rp = self.spec.run_policy
+        if self.queued:
+            self.waiting_in_queue()
+            return
         launched = parse_time(self.st.get("launchTime")) or self.now
+        since = "creation"
+        admitted = c.get_condition(self.st.get("conditions", []), queueing.ADMITTED)
+        if admitted and admitted.get("status") == "True":
+            # Time spent queued is not start-up time: count from the admission.
+            at = parse_time(admitted.get("lastTransitionTime"))
+            if at and at > launched:
+                launched, since = at, "admission by Kueue"
         left = (launched + timedelta(seconds=rp.startup_deadline_seconds) - self.now).total_seconds()
         why = explain_waiting(self.spec, verdict.stuck_reason, verdict.stuck_message)
         if left <= 0:
             self.fail(c.REASON_STARTUP_DEADLINE, f"pods not all running {rp.startup_deadline_seconds}s after "
-                      f"creation (runPolicy.startupDeadlineSeconds){': ' + why if why else ''}")
+                      f"{since} (runPolicy.startupDeadlineSeconds){': ' + why if why else ''}")
             return
         if self.st.get("phase") == "Pending":
             if why:
@@ -345,6 +402,16 @@ class _Pass:
             else:
                 self.set_phase("Pending", c.REASON_PODS_STARTING, "waiting for every pod to run")
         self.requeue(min(left, STARTING_POLL_S))
+
+    def waiting_in_queue(self) -> None:
+        """Gated by Kueue: no startup deadline runs (it starts at admission, since waiting
+        for quota held by other teams is not a failure to start), and the job says so."""
+        message = c.get_condition(self.st["conditions"], queueing.ADMITTED)["message"]
+        if self.st.get("phase") == "Pending":
+            if self.reason_changed_to(queueing.REASON_QUEUED):
+                self.event("Normal", queueing.REASON_QUEUED, message)
+            self.set_phase("Pending", queueing.REASON_QUEUED, message)
+        self.requeue(STARTING_POLL_S)
 
     def attempt_failed(self, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
                        reason: str | None = None) -> None:

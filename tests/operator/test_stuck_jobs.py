@@ -132,7 +132,17 @@ def test_quota_held_by_others_is_waited_for_then_the_startup_deadline_fails_it()
     assert [e.reason for e in plan.events] == ["QuotaExceeded"]
     body = apply(body, plan)
     assert not reconcile.plan(body, [], at(20), rejection=rej).events  # said once
-    plan = reconcile.plan(body, [], at(61), rejection=rej)
+    # Part of the gang got in before the quota ran out: it is retired (it would hold quota
+    # while waiting for its peer), uncounted, and the whole gang is tried again later.
+    first = pods_for(body, phase="Pending")[:1]
+    plan = reconcile.plan(body, first, at(30), rejection=rej)
+    assert plan.delete_pods == ["tiny-node-0"] and plan.status["attempt"] == 1
+    assert plan.status["restarts"]["total"] == 0 and plan.status["restartAfter"] == "2026-01-01T12:00:40Z"
+    body = apply(body, plan)
+    assert reconcile.plan(body, [], at(41)).launch  # the next try, attempt 1
+    # The startup deadline counts from when the job started waiting, across the retries.
+    assert reconcile.plan(body, [], at(60), rejection=rej).status["phase"] == "Pending"
+    plan = reconcile.plan(body, [], at(66), rejection=rej)
     assert plan.status["phase"] == "Failed" and "exceeded quota" in plan.status["message"]
 
 
