@@ -259,12 +259,17 @@ def config_hash(job: JobRef, spec: api.SFTJobSpec) -> str:
 
 
 def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
-              master_port: int = MASTER_PORT, metrics_port: int = METRICS_PORT) -> dict[str, Any]:
-    """The pod of one node rank for one gang attempt."""
+              master_port: int = MASTER_PORT, metrics_port: int = METRICS_PORT,
+              group: tuple[dict[str, str], dict[str, str]] | None = None) -> dict[str, Any]:
+    """The pod of one node rank for one gang attempt. `group`: the (labels, annotations)
+    of the attempt's Kueue pod group (queueing.pod_group), when the job is queued."""
     res = spec.resources
     name = pod_name(job, rank)
     meta = _metadata(job, name, **{LABEL_RANK: str(rank), LABEL_ATTEMPT: str(attempt)})
     meta["annotations"] = {"sftjob.io/config-hash": config_hash(job, spec)}
+    if group:
+        meta["labels"].update(group[0])
+        meta["annotations"].update(group[1])
     ports = [{"name": "rendezvous", "containerPort": master_port}]
     if rank == 0:
         ports.append({"name": "metrics", "containerPort": metrics_port})

@@ -2,9 +2,10 @@
 
 A gang either keeps running, succeeds (every rank exited 0), fails for good, or must be
 restarted as a whole. Restarts have two causes counted apart: *preemption* (the pod was
-taken away or signalled: eviction, DisruptionTarget, node loss, deletion, exit >= 128, the
-trainer's "Preempted" message), which spends `runPolicy.preemptionLimit`, and *failure*
-(the trainer exited 1 or 3..127, or was OOM-killed), which spends `runPolicy.backoffLimit`.
+taken away or signalled: eviction, DisruptionTarget, Kueue's TerminationTarget, node loss,
+deletion, exit >= 128, the trainer's "Preempted" message), which spends
+`runPolicy.preemptionLimit`, and *failure* (the trainer exited 1 or 3..127, or was
+OOM-killed), which spends `runPolicy.backoffLimit`. A pod gated by Kueue waits in its queue.
 
 A deterministic error (exit 2, or the trainer's InvalidConfig/InvalidData message) would
 fail the same way on every attempt, so it fails the job at once without spending the
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from . import conditions as c
+from . import queueing
 
 MAX_RESTART_BACKOFF_S = 300.0
 
@@ -125,6 +127,11 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
     if disruption and disruption.get("status") == "True":
         return PodOutcome(State.PREEMPTED, disruption.get("reason") or c.REASON_PREEMPTED,
                           disruption.get("message", ""), exit_code)
+    # Kueue evicted or preempted the pod's Workload (it sets this, then deletes the pod).
+    target = queueing.termination_target(pod)
+    if target:
+        return PodOutcome(State.PREEMPTED, target.get("reason") or c.REASON_PREEMPTED,
+                          f"Kueue: {target.get('message', '')}".rstrip(": "), exit_code)
     if pod["metadata"].get("deletionTimestamp"):
         return PodOutcome(State.PREEMPTED, c.REASON_POD_DELETED, "the pod was deleted", exit_code)
     if status.get("reason") in PREEMPTED_POD_REASONS:
@@ -153,6 +160,10 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
                           f"node {pod.get('spec', {}).get('nodeName')} is not ready")
     if phase == "Running":
         return PodOutcome(State.RUNNING)
+    if queueing.is_queued(pod):
+        # Waiting for Kueue to admit the gang: not stuck, and not the pod's fault.
+        return PodOutcome(State.PENDING, queueing.REASON_QUEUED,
+                          f"gated by {', '.join(queueing.kueue_gates(pod))}")
     reason, message = _waiting(pod)
     if not reason:
         reason, message = _unschedulable(pod)

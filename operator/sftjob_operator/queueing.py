@@ -1,0 +1,109 @@
+"""Kueue (kueue.sigs.k8s.io) through its pod-group integration. Pure; no I/O.
+
+An SFTJob labelled `kueue.x-k8s.io/queue-name: <LocalQueue>` runs each gang attempt as one
+Kueue *pod group*: every pod carries the queue label, the group name label and the group's
+total count, so Kueue's webhook gates the pods (scheduling gate `kueue.x-k8s.io/admission`)
+and admits the whole gang against the ClusterQueue's quota at once, or none of it.
+
+- The group name changes with every attempt (`<job>-<uid8>-a<attempt>`): after a restart
+  Kueue sees a new Workload that queues for admission again, never a half-finished old one.
+- `kueue.x-k8s.io/retriable-in-group: "false"`: a group whose pods all ended is finished for
+  Kueue (quota released, its finalizers removed) instead of waiting for replacement pods;
+  replacements are the operator's business, as the next attempt's group.
+- Priority: the pods' `priorityClassName` (spec.resources.priorityClassName) is what Kueue
+  orders and preempts Workloads by; a `kueue.x-k8s.io/priority-class` label on the SFTJob
+  (a WorkloadPriorityClass) is copied to the pods and takes precedence in Kueue.
+
+Why a label and not a spec field: it is the convention of every Kueue-managed workload
+(Jobs, JobSets, pods), so `kubectl get sft -l kueue.x-k8s.io/queue-name=team-a` and Kueue's
+own tooling and admission policies work unchanged, and GitOps sets a label as easily as a
+field. Changing it affects the next gang attempt only.
+
+What the operator reads back is all on its own pods (no Workload access, so no RBAC
+beyond pods): the scheduling gates while queued, the removal of the gates at admission, and
+the `TerminationTarget` condition Kueue sets on each pod before deleting it when it evicts
+or preempts the Workload.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
+GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+TOTAL_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
+ADMISSION_GATE = "kueue.x-k8s.io/admission"
+GATE_PREFIX = "kueue.x-k8s.io/"
+# Set by Kueue on each pod of a Workload it stops (evicted, preempted, deleted), just before
+# it deletes the pod. Reasons: WorkloadEvicted (preemption, waitForPodsReady timeout, ...),
+# WorkloadDeleted, NoMatchingWorkload, ...
+TERMINATION_TARGET = "TerminationTarget"
+
+REASON_QUEUED = "QueuedByKueue"       # pod condition-like reason of a gated pod
+ADMITTED = "Admitted"                 # the SFTJob condition type
+REASON_WAITING = "Pending"            # Admitted=False: waiting for quota (Kueue's Workload reason)
+REASON_ADMITTED = "Admitted"          # Admitted=True: the gang's gates were removed
+REASON_NOT_MANAGED = "NotManagedByKueue"  # Admitted=True: Kueue's webhook never gated the pods
+MANAGED_LABEL = "kueue.x-k8s.io/managed"  # set by Kueue's pod webhook on pods it manages
+MAX_LABEL = 63
+
+
+def queue_name(meta: dict[str, Any]) -> str | None:
+    """The LocalQueue an SFTJob asks for, or None when it is not queued by Kueue."""
+    return (meta.get("labels") or {}).get(QUEUE_LABEL) or None
+
+
+def group_name(name: str, uid: str, attempt: int) -> str:
+    """The pod group (and Kueue Workload) name of one gang attempt: a valid label value."""
+    suffix = f"-{uid.replace('-', '')[:8]}-a{attempt}"
+    return name[: MAX_LABEL - len(suffix)].rstrip("-.") + suffix
+
+
+def pod_group(meta: dict[str, Any], uid: str, attempt: int, nodes: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) that put one attempt's pods into one Kueue pod group; empty
+    when the job has no queue label (nothing changes then)."""
+    queue = queue_name(meta)
+    if not queue:
+        return {}, {}
+    labels = {QUEUE_LABEL: queue, GROUP_LABEL: group_name(meta["name"], uid, attempt)}
+    priority = (meta.get("labels") or {}).get(PRIORITY_CLASS_LABEL)
+    if priority:
+        labels[PRIORITY_CLASS_LABEL] = priority
+    annotations = {TOTAL_COUNT_ANNOTATION: str(nodes), RETRIABLE_ANNOTATION: "false"}
+    return labels, annotations
+
+
+def kueue_gates(pod: dict[str, Any]) -> list[str]:
+    """Kueue's scheduling gates still on the pod (admission, topology)."""
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return [g.get("name", "") for g in gates if g.get("name", "").startswith(GATE_PREFIX)]
+
+
+def is_queued(pod: dict[str, Any]) -> bool:
+    """The pod waits for its Workload's admission (not yet scheduled, still gated)."""
+    return bool(kueue_gates(pod)) and not (pod.get("spec") or {}).get("nodeName")
+
+
+def termination_target(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """Kueue's `TerminationTarget` condition when it stopped the pod's Workload."""
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == TERMINATION_TARGET and cond.get("status") == "True":
+            return cond
+    return None
+
+
+def managed(pod: dict[str, Any]) -> bool:
+    """Kueue's webhook took the pod in (it labels, gates and finalizes the pods it manages)."""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(MANAGED_LABEL) == "true"
+
+
+def group_of(pod: dict[str, Any]) -> str | None:
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(GROUP_LABEL)
+
+
+def queued_message(queue: str | None, group: str | None, gates: list[str]) -> str:
+    where = f"LocalQueue {queue}" if queue else "Kueue"
+    return (f"queued in {where}: the gang waits for Kueue to admit its Workload (pod group {group or '?'}) "
+            f"against the ClusterQueue's quota; pods gated by {', '.join(gates) or ADMISSION_GATE}. "
+            f"Kueue's reason: kubectl get workload {group or ''} -o jsonpath='{{.status.conditions}}'")
