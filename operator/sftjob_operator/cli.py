@@ -111,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("sftjob_operator").setLevel(logging.INFO)
     metrics.serve(args.metrics_port)
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
-    elector = _elect(elector_cfg, args.liveness_port) if elector_cfg else None
+    electors: list = []   # filled by _elect as soon as the elector exists
     try:
+        if elector_cfg:
+            _elect(elector_cfg, args.liveness_port, electors)
         kopf.run(
             clusterwide=args.all_namespaces,
             namespaces=args.namespace,
@@ -123,31 +125,27 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # kopf has stopped (SIGTERM, SIGINT or a fatal error): nothing acts any more, so the
         # Lease can go to a standby now rather than after it expires.
-        if elector is not None:
-            elector.release()
+        for elector in electors:
+            elector.release()   # only if it holds the Lease
     return 0
 
 
-def _elect(cfg, liveness_port: int):
+def _elect(cfg, liveness_port: int, electors: list) -> None:
     """Stand by until this replica holds the Lease; then renew it in the background."""
     from . import leader
 
     elector = leader.LeaderElector(cfg)
-    # A standby holds nothing: SIGTERM ends it at once (kopf installs its own handlers later).
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    electors.append(elector)
+    # SIGTERM ends a standby at once (it holds nothing), and a new leader until kopf installs
+    # its own handler: as SystemExit, so that main's `finally` still releases the Lease.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     health = leader.StandbyHealth(liveness_port, elector) if liveness_port else None
     try:
         elector.acquire()
-    except BaseException:
-        if elector.is_leader:
-            elector.release()
-        raise
     finally:
         if health is not None:
-            health.stop()
-        signal.signal(signal.SIGTERM, previous)
+            health.stop()   # kopf serves /healthz on this port from now on
     elector.start_renewing()
-    return elector
 
 
 if __name__ == "__main__":

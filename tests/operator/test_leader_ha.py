@@ -65,6 +65,10 @@ class ElectedOperator(OperatorProcess):
         except OSError:
             return False
 
+    def healthz(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as r:
+            return r.read().decode()
+
     def metric(self, name: str) -> float:
         """Sum of a metric's samples (0 when it has none)."""
         total = 0.0
@@ -107,6 +111,8 @@ def test_leader_killed_mid_job_standby_takes_over(cluster, example_ns, pair):
         wait_job(cluster, ns, name, a, checkpointed(5), what="a committed checkpoint")
         # The standby has done nothing while the leader lives.
         assert b.metric("sftjob_operator_leader") == 0, "two leaders"
+        if ELECTION:
+            assert '"leader": false' in b.healthz()  # the standby's own /healthz: live, holds nothing
         assert b.metric("sftjob_operator_reconciles_total") == 0, "the standby reconciled"
         assert b.metric("sftjob_operator_pods_created_total") == 0, "the standby created pods"
         assert a.metric("sftjob_operator_reconciles_total") > 0
@@ -125,6 +131,8 @@ def test_leader_killed_mid_job_standby_takes_over(cluster, example_ns, pair):
         assert took - killed >= LEASE_S - RETRY_S - 1, "took over before the Lease could have expired"
         assert first - killed <= LEASE_S + RETRY_S + 5, f"takeover took {first - killed:.1f}s"
         assert holder(cluster, ns).startswith("op-b_")
+        # The standby's /healthz gave way to kopf's on the same port (its probe: the scheduler).
+        wait_for(lambda: "scheduler" in b.healthz(), 30, what="kopf's /healthz on the new leader")
 
         a.start()  # restarted by its Deployment: now a standby
         time.sleep(2 * RETRY_S)
