@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -255,6 +256,16 @@ def job_manifest(name: str) -> dict[str, Any]:
     return obj
 
 
+METRICS_PORT = 9400  # the trainer's metrics port the operator scrapes (builders.METRICS_PORT)
+
+
+def syn_sent(port: int) -> int:
+    """TCP connections to `port` still waiting for an answer (SYN sent): scrapes of endpoints
+    that do not answer (kwok's fake pod IPs), in flight right now."""
+    out = subprocess.run(["ss", "-Htn", "state", "syn-sent", f"( dport = :{port} )"], capture_output=True, text=True)
+    return len([line for line in out.stdout.splitlines() if line.strip()])
+
+
 def wait_running(kube: Kube, ns: str, name: str, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -290,7 +301,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=1000)
     p.add_argument("--kwok-nodes", type=int, default=22)
-    p.add_argument("--apply-workers", type=int, default=8, help="parallel creates")
+    p.add_argument("--apply-workers", type=int, default=1,
+                   help="parallel creates (1: one after the other, as `kubectl apply -f` of a multi-document file)")
     p.add_argument("--probes", type=int, default=5, help="pod deletions at steady state (head-of-line probe)")
     p.add_argument("--settle-timeout", type=float, default=900, help="seconds to reach steady state")
     p.add_argument("--observe", type=float, default=20, help="seconds of steady state to measure load over")
@@ -333,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         # The same probe on the idle operator first (one job): the reference for head-of-line delay.
         idle_errors: list[str] = []
         kube.create(JOBS.format(ns=ns), job_manifest("probe-idle"))
+        t_idle = time.time()
+        while time.time() < t_idle + 120 and len(watch.by_job.get("probe-idle", [])) < 2:
+            time.sleep(0.02)
+        idle_create = max(s for s, _, _ in watch.by_job["probe-idle"]) - t_idle
+        say(f"one job on the idle operator: apply -> both pods created in {idle_create:.2f}s")
         wait_running(kube, ns, "probe-idle", 120)
         idle_lat = [probe(kube, ns, watch, "probe-idle", idle_errors) for _ in range(2)]
         kube.delete(f"{JOBS.format(ns=ns)}/probe-idle")
@@ -402,7 +419,10 @@ def main(argv: list[str] | None = None) -> int:
 
         # -- load at steady state ----------------------------------------------------------
         ma, ca, ta = op.metrics(), op.cpu_seconds(), time.time()
-        time.sleep(args.observe)
+        inflight = []
+        while time.time() < ta + args.observe:
+            inflight.append(syn_sent(METRICS_PORT))
+            time.sleep(0.5)
         mb, cb, tb = op.metrics(), op.cpu_seconds(), time.time()
         dt = tb - ta
         rec_rate = (msum(mb, "sftjob_operator_reconciles_total") - msum(ma, "sftjob_operator_reconciles_total")) / dt
@@ -413,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         dur_p50 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.5, ma)
         dur_p99 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.99, ma)
         say(f"steady state over {dt:.0f}s: {rec_rate:.1f} reconciles/s, operator CPU {cpu_pct:.0f}%, "
-            f"reconcile duration p50 {dur_p50:.3f}s p99 {dur_p99:.3f}s; scrape metrics {scrape_rates or 'none'}")
+            f"reconcile duration p50 {dur_p50:.3f}s p99 {dur_p99:.3f}s; scrape metrics {scrape_rates or 'none'}; "
+            f"unanswered scrape connections in flight: mean {statistics.fmean(inflight or [0]):.1f}, "
+            f"max {max(inflight or [0])}")
 
         # -- head-of-line probe: a preempted job must be restarted as fast as on an idle operator
         names = sorted(applied)
@@ -434,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
             all_pods_after_last_apply_s=all_after_last, latency_p50_s=pct(lat, 50), latency_p99_s=pct(lat, 99),
             latency_max_s=max(lat or [float("nan")]), steady_state_s=t_steady, phases=last_ph,
             reconciles_per_s=rec_rate, operator_cpu_pct=cpu_pct, reconcile_duration_p50_s=dur_p50,
-            reconcile_duration_p99_s=dur_p99, scrape_rates=scrape_rates, probe_latencies_s=probe_lat, idle_probe_latencies_s=idle_lat,
+            reconcile_duration_p99_s=dur_p99, scrape_syn_sent_mean=statistics.fmean(inflight or [0]),
+            scrape_syn_sent_max=max(inflight or [0]), apply_workers=args.apply_workers, idle_create_s=idle_create, scrape_rates=scrape_rates, probe_latencies_s=probe_lat, idle_probe_latencies_s=idle_lat,
             peak_rss_mb=hwm_mb, reconcile_errors=rec_errors, log_error_lines=log_errors[:20],
             watch_errors=watch.errors, operator_cpu_total_s=op.cpu_seconds() - cpu0)
 
@@ -446,9 +469,11 @@ def main(argv: list[str] | None = None) -> int:
 
         row("jobs x pods (kwok nodes)", f"{len(applied)} x 2 ({len(nodes)})", f"{args.jobs} x 2",
             len(applied) == args.jobs and not errors)
-        row("apply duration (first -> last create)", f"{t_last - t_first:.1f} s")
+        row("apply duration (first -> last create)", f"{t_last - t_first:.1f} s ({len(applied) / max(t_last - t_first, 1e-9):.0f} "
+            f"jobs/s, {args.apply_workers} client(s))")
         row("all pods created after the last apply", f"{all_after_last:.1f} s ({created}/{want} pods)",
             f"all {want}", created >= want)
+        row("apply -> all pods created, one job on the idle operator", f"{idle_create:.2f} s")
         row("apply -> all pods created, p50 per job", f"{pct(lat, 50):.2f} s")
         row("apply -> all pods created, p99 per job", f"{pct(lat, 99):.2f} s", f"< {args.target_p99_s:g} s",
             pct(lat, 99) < args.target_p99_s)
@@ -463,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             row(f"{k} /s", f"{v:.1f}")
         if not scrape_rates:
             row("progress scrapes/s (~ reconciles of Running jobs)", f"{rec_rate:.1f} (no scrape metric exported)")
+        row("unanswered scrape connections in flight (mean / max)",
+            f"{statistics.fmean(inflight or [0]):.1f} / {max(inflight or [0])}")
         idle = max(idle_lat or [float("nan")])
         hol = max(probe_lat or [float("inf")]) - idle
         row("pod deleted -> replacement gang created, idle operator", f"{idle:.2f} s (max of {len(idle_lat)})")

@@ -472,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     say(f"faulty job {args.namespace}/{run_name}: same spec; {args.faults} faults from {', '.join(args.kinds)}")
     log_path = rank0_log(ctx, run_name)
     offset = log_path.stat().st_size if log_path.exists() else 0  # logs of earlier runs stay
+    rank_logs = [ctx.cfg.pods_dir / f"{args.namespace}_{run_name}-node-{r}" / "trainer.log" for r in range(2)]
+    offsets = [p.stat().st_size if p.exists() else 0 for p in rank_logs]
     ctx.kube.create(JOBS.format(ns=args.namespace), manifest(args, run_name))
     mon = Monitor(ctx.kube, ctx.s3, args.namespace, run_name, tuple(ctx.cfg.nodes))
     mon.start()
@@ -543,6 +545,16 @@ def main(argv: list[str] | None = None) -> int:
     for line in lines:
         print("  " + line)
     problems += ck_problems
+    retries = 0
+    for p, off in zip(rank_logs, offsets):
+        if p.exists():
+            with open(p, "rb") as fh:
+                fh.seek(off)
+                retries += len(re.findall(rb"attempt \d+ failed \(", fh.read()))
+    n_outages = sum(1 for f in faults if f.kind == "minio-outage")
+    print(f"  S3 requests the trainers retried (log warnings): {retries}"
+          + (f" (across {n_outages} MinIO outage(s))" if n_outages else ""))
+    summary["s3_retries_logged"] = retries
 
     # weights
     print()
