@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local cluster's binaries from the Go module proxy into a version-keyed cache.
 #
-#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok ...]   (default: all, in that order)
+#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok|kueue ...]   (default: all but kueue, in that order)
 #   hack/build-binaries.sh --print-dirs                     (print NAME=DIR per component)
 #
 # Each component lands in ${SFTJOB_CACHE:-$HOME/.cache/sftjob}/<name>-<version>/bin and is
@@ -27,6 +27,7 @@ dir_of() {
     helm) echo "$CACHE/helm-$HELM_VERSION" ;;
     minio) echo "$CACHE/minio-$MINIO_VERSION" ;;
     kwok) echo "$CACHE/kwok-$KWOK_VERSION" ;;
+    kueue) echo "$CACHE/kueue-$KUEUE_VERSION" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac
 }
@@ -145,8 +146,22 @@ build_kwok() {
   fi
 }
 
+# Kueue (optional: `make cluster-up KUEUE=1` and the Kueue tests). Its CRDs and webhook
+# manifests are not embedded in the binary; keep the module's copies next to it.
+build_kueue() {
+  build_wrapped kueue sigs.k8s.io/kueue "$KUEUE_VERSION" sigs.k8s.io/kueue/cmd/kueue kueue \
+    "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+  local d m; d="$(dir_of kueue)"; m="$(go env GOMODCACHE)/sigs.k8s.io/kueue@$KUEUE_VERSION"
+  if [[ ! -d "$d/config" ]]; then
+    rm -rf "$d/config.tmp" && mkdir -p "$d/config.tmp"
+    cp -r "$m/config/components/crd/bases" "$d/config.tmp/crd"
+    cp "$m/config/components/webhook/manifests.yaml" "$d/config.tmp/webhook.yaml"
+    chmod -R u+w "$d/config.tmp" && mv "$d/config.tmp" "$d/config"
+  fi
+}
+
 if [[ "${1:-}" == "--print-dirs" ]]; then
-  for c in k8s etcd helm minio kwok; do echo "$c=$(dir_of "$c")"; done
+  for c in k8s etcd helm minio kwok kueue; do echo "$c=$(dir_of "$c")"; done
   exit 0
 fi
 

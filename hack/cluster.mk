@@ -10,8 +10,8 @@ CLUSTER_PY = $(if $(wildcard $(PY)),$(PY),python3)
 cluster-build: ## Build (or reuse cached) kube-apiserver/controller-manager/scheduler/kubectl, etcd, helm, minio, kwok
 	hack/build-binaries.sh
 
-cluster-up: install ## Start the local cluster (etcd, API server, controllers, scheduler, MinIO, node agent); no-op when up
-	$(PY) -m hack.localcluster up
+cluster-up: install ## Start the local cluster (etcd, API server, controllers, scheduler, MinIO, node agent; Kueue with KUEUE=1); no-op when up
+	$(PY) -m hack.localcluster up $(if $(filter 1 true yes,$(KUEUE)),--kueue)
 
 cluster-down: ## Stop every cluster process (pods included) and remove .cluster/
 	$(CLUSTER_PY) -m hack.localcluster down

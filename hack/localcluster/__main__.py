@@ -1,14 +1,15 @@
-"""python -m hack.localcluster {up,down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down}"""
+"""python -m hack.localcluster {up [--kueue],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
 import argparse
 import sys
 
-from . import cluster, kwok, nodes
+from . import cluster, kueue, kwok, nodes
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(prog="python -m hack.localcluster")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("up", help="build missing binaries and start the cluster (no-op when up)")
+    p = sub.add_parser("up", help="build missing binaries and start the cluster (no-op when up)")
+    p.add_argument("--kueue", action="store_true", help="also start Kueue (see hack/localcluster/kueue.py)")
     sub.add_parser("down", help="stop every process of the cluster and remove its state")
     sub.add_parser("status", help="health of each component; exit 1 unless all are healthy")
     sub.add_parser("env", help="print the shell exports of .cluster/env")
@@ -24,9 +25,13 @@ def main() -> int:
     p = sub.add_parser("kwok-up", help="start kwok with N fake nodes (scale tests)")
     p.add_argument("--nodes", type=int, default=10)
     sub.add_parser("kwok-down", help="stop kwok and delete the fake nodes")
+    sub.add_parser("kueue-up", help="start Kueue (pod integration) on the running cluster")
+    sub.add_parser("kueue-down", help="stop Kueue and unregister its webhooks")
     a = ap.parse_args()
     if a.cmd == "up":
         cfg = cluster.up()
+        if a.kueue:
+            kueue.kueue_up(cfg)
         print(f"cluster up: source {cfg.env_file}")
     elif a.cmd == "down":
         cluster.down()
@@ -57,6 +62,10 @@ def main() -> int:
         print("\n".join(kwok.kwok_up(a.nodes)))
     elif a.cmd == "kwok-down":
         kwok.kwok_down()
+    elif a.cmd == "kueue-up":
+        kueue.kueue_up()
+    elif a.cmd == "kueue-down":
+        kueue.kueue_down()
     return 0
 
 

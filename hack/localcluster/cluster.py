@@ -565,7 +565,7 @@ def down(cfg: C.ClusterConfig | None = None) -> None:
 
 def _down(cfg: C.ClusterConfig) -> None:
     if cfg.pids.exists():
-        for name in ("kwok",) + tuple(reversed(COMPONENTS)):  # kwok is optional (kwok.kwok_up)
+        for name in ("kueue", "kwok") + tuple(reversed(COMPONENTS)):  # optional: kueue.py, kwok.py
             _stop(cfg, name)
     _clean(cfg)
     log(f"cluster down ({cfg.state_dir} removed)")

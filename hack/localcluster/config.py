@@ -36,9 +36,9 @@ def cache_dir() -> Path:
 
 
 def bin_dir(component: str) -> Path:
-    """The cached bin/ directory of one component (k8s, etcd, helm, minio, kwok)."""
+    """The cached bin/ directory of one component (k8s, etcd, helm, minio, kwok, kueue)."""
     key = {"k8s": "K8S_VERSION", "etcd": "ETCD_VERSION", "helm": "HELM_VERSION",
-           "minio": "MINIO_VERSION", "kwok": "KWOK_VERSION"}[component]
+           "minio": "MINIO_VERSION", "kwok": "KWOK_VERSION", "kueue": "KUEUE_VERSION"}[component]
     return cache_dir() / f"{component}-{VERSIONS[key]}" / "bin"
 
 
