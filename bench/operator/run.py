@@ -249,11 +249,55 @@ def job_manifest(name: str) -> dict[str, Any]:
     obj = yaml.safe_load(EXAMPLE.read_text())
     obj["metadata"] = {"name": name}
     spec = obj["spec"]
+    # Small requests, so that 2 pods x 1,000 jobs fit on 22 fake nodes of 32 CPUs / 256 GiB
+    # (the example's 1 CPU / 4 GiB would leave two thirds of the pods Pending: unschedulable).
+    spec["resources"]["cpu"] = "100m"
+    spec["resources"]["memory"] = "256Mi"
     spec["resources"]["nodeSelector"] = {"type": "kwok"}
     spec["resources"]["tolerations"] = [KWOK_TAINT]
     spec["runPolicy"]["restartBackoffSeconds"] = 0
     spec["runPolicy"].pop("ttlSecondsAfterFinished", None)
     return obj
+
+
+KWOK_POD_CIDR = "10.250.0.0/16"  # kwok's --cidr in hack/localcluster/kwok.py
+HOLE_NETNS, HOLE_DEV, HOLE_NET = "benchop-hole", "benchop0", ("10.251.255.1", "10.251.255.2")
+
+
+class BlackHole:
+    """Make kwok's fake pod IPs truly unreachable: a SYN to them is never answered.
+
+    Without this, this host's default route may reach something that answers for any
+    address (a proxy answered HTTP 404 in 2 ms on the CI VM), and the scrape load would be
+    nothing like a dead pod's. The route sends KWOK_POD_CIDR through a veth to a network
+    namespace that does not forward, where the packets are dropped without a reply, as for a
+    pod IP that vanished on a real cluster. Removed again on exit (deleting the veth removes
+    the route)."""
+
+    def __init__(self) -> None:
+        self.up = False
+
+    @staticmethod
+    def _ip(*a: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", *a], capture_output=True, text=True, check=check)
+
+    def __enter__(self) -> "BlackHole":
+        self.__exit__()  # leftovers of an interrupted run
+        host, peer = HOLE_NET
+        self._ip("netns", "add", HOLE_NETNS)
+        self._ip("link", "add", HOLE_DEV, "type", "veth", "peer", "name", "eth0", "netns", HOLE_NETNS)
+        self._ip("addr", "add", f"{host}/30", "dev", HOLE_DEV)
+        self._ip("link", "set", HOLE_DEV, "up")
+        self._ip("-n", HOLE_NETNS, "addr", "add", f"{peer}/30", "dev", "eth0")
+        self._ip("-n", HOLE_NETNS, "link", "set", "eth0", "up")
+        self._ip("route", "replace", KWOK_POD_CIDR, "via", peer)
+        self.up = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ip("link", "del", HOLE_DEV, check=False)
+        self._ip("netns", "del", HOLE_NETNS, check=False)
+        self.up = False
 
 
 METRICS_PORT = 9400  # the trainer's metrics port the operator scrapes (builders.METRICS_PORT)
@@ -311,13 +355,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target-hol-s", type=float, default=2.0,
                    help="max extra seconds (over the idle operator's) from a pod deletion to the replacement "
                         "gang's pods, at steady state: the head-of-line delay")
+    p.add_argument("--no-blackhole", action="store_true",
+                   help="leave routing to kwok's fake pod IPs as it is (see BlackHole)")
     p.add_argument("--keep", action="store_true", help="leave the namespace, jobs and kwok nodes")
     p.add_argument("--out", type=Path, default=REPO / ".bench" / "operator" / "results.json")
     return p.parse_args(argv)
 
 
+def _terminate(signum, frame):  # noqa: ARG001 - clean up (operator, namespace, nodes) on SIGTERM too
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cfg = localcluster.up()
     kube = Kube.from_state(cfg)
@@ -333,10 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = f"bench-operator-{uuid.uuid4().hex[:6]}"
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     op = Operator(env, ns, args.out.parent / "operator.log")
-    results: dict[str, Any] = {"jobs": args.jobs, "pods_per_job": 2, "kwok_nodes": len(nodes), "namespace": ns}
+    hole = BlackHole()
+    results: dict[str, Any] = {"blackhole": not args.no_blackhole, "jobs": args.jobs, "pods_per_job": 2, "kwok_nodes": len(nodes), "namespace": ns}
     rows: list[tuple[str, str, str, str]] = []
     ok = True
     try:
+        if not args.no_blackhole:
+            hole.__enter__()
+            say(f"{KWOK_POD_CIDR} (kwok's pod IPs) routed into a black hole: scrapes of them time out")
         op.start()
         say(f"operator pid {op.proc.pid} (namespace {ns}), metrics :{op.metrics_port}, "
             f"RSS at start {op.status_kb('VmRSS') / 1024:.0f} MB")
@@ -354,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         idle_lat = [probe(kube, ns, watch, "probe-idle", idle_errors) for _ in range(2)]
         kube.delete(f"{JOBS.format(ns=ns)}/probe-idle")
         say("probe on the idle operator: " + ", ".join(f"{x:.2f}s" for x in idle_lat))
+        # Let the operator see the probe job go before the scale run's error count starts.
+        while kube.get(f"/api/v1/namespaces/{ns}/pods", labelSelector="sftjob.io/job-name=probe-idle")["items"]:
+            time.sleep(0.3)
+        time.sleep(3)
         m0 = op.metrics()
         cpu0 = op.cpu_seconds()
 
@@ -501,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         row("ERROR/Traceback lines in the operator log", f"{len(log_errors)}", "0", not log_errors)
     finally:
         op.stop()
+        hole.__exit__()
         if not args.keep:
             try:
                 kube.delete(f"/api/v1/namespaces/{ns}")
