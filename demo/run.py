@@ -229,8 +229,8 @@ def stage_cluster(ctx: Ctx) -> None:
         ctx.kubectl("-n", args.system_namespace, "rollout", "status", deploy, "--timeout=180s", timeout=200)
     op = wait_for(lambda: _operator_pod(ctx), 120, "the operator pod to run")
     ctx.summary["operator_pod"] = op["metadata"]["name"]
-    out.say(f"operator pod {args.system_namespace}/{op['metadata']['name']} running as ServiceAccount "
-            f"{op['spec'].get('serviceAccountName')} (helm: {time.time() - t:.0f} s)")
+    out.say(f"operator pod {args.system_namespace}/{op['metadata']['name']} (the leader of 2 replicas) running "
+            f"as ServiceAccount {op['spec'].get('serviceAccountName')} (helm: {time.time() - t:.0f} s)")
 
     # Prometheus, scraping the operator and (once it exists) the rank-0 trainer.
     ctx.prom = promlib.Prometheus(args.workdir / "prometheus", args.prometheus_port)
@@ -243,10 +243,16 @@ def stage_cluster(ctx: Ctx) -> None:
 
 
 def _operator_pod(ctx: Ctx) -> dict | None:
-    pods = ctx.pods(ctx.args.system_namespace, f"app.kubernetes.io/instance={ctx.args.release}")
+    """The replica that acts: the chart runs two, and the leader-election Lease names the
+    holder (its pod name, "_", a random suffix)."""
+    ns, release = ctx.args.system_namespace, ctx.args.release
+    pods = ctx.pods(ns, f"app.kubernetes.io/instance={release}")
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")
             and p["status"].get("phase") == "Running" and p["status"].get("podIP")]
-    return live[0] if len(live) == 1 else None
+    lease = ctx.kube.get(f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{release}-sftjob-operator")
+    holder = lease["spec"].get("holderIdentity") or ""
+    leaders = [p for p in live if holder.startswith(p["metadata"]["name"] + "_")]
+    return leaders[0] if len(leaders) == 1 else None
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.5):

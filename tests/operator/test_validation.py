@@ -11,7 +11,7 @@ from sftjob_operator import api
 from tests.fixtures.cluster import wait_for
 
 from .operator_proc import OperatorProcess
-from .test_integration import JOBS, apply, condition, crd, diagnose, example, example_ns, get_job  # noqa: F401
+from .test_integration import JOBS, apply, condition, crd, diagnose, example, example_ns, get_job, wait_job  # noqa: F401,E501
 
 pytestmark = pytest.mark.cluster
 
@@ -25,10 +25,10 @@ def scoped_operator(cluster, crd, example_ns, tmp_path):  # noqa: F811 - crd is 
     op.stop()
 
 
-def minimal(name: str) -> dict:
+def minimal(name: str, train: str = "s3://sftjob-examples/data/train.parquet") -> dict:
     return {"apiVersion": "sftjob.io/v1alpha1", "kind": "SFTJob", "metadata": {"name": name}, "spec": {
         "model": {"path": "s3://sftjob-examples/models/tiny"},
-        "data": {"trainFiles": ["s3://sftjob-examples/data/train.parquet"]},
+        "data": {"trainFiles": [train]},
         "storage": {"uri": "s3://sftjob-examples/runs", "endpoint": "http://10.244.0.1:9000",
                     "region": "us-east-1", "credentialsSecretRef": {"name": "sftjob-s3"}},
     }}
@@ -38,16 +38,31 @@ def events_of(cluster, ns: str, name: str) -> list[dict]:
     return cluster.kube.get(f"/api/v1/namespaces/{ns}/events?fieldSelector=involvedObject.name%3D{name}")["items"]
 
 
+def small_train_file(cluster) -> str:
+    """The example's training data cut to 64 rows (8 steps at the default batch of 8)."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    s3 = cluster.s3()
+    rows = pq.read_table(io.BytesIO(s3.get_object(Bucket="sftjob-examples", Key="data/train.parquet")["Body"].read()))
+    out = io.BytesIO()
+    pq.write_table(rows.slice(0, 64), out)
+    s3.put_object(Bucket="sftjob-examples", Key="data/minimal/train.parquet", Body=out.getvalue())
+    return "s3://sftjob-examples/data/minimal/train.parquet"
+
+
 def test_minimal_spec_is_accepted_shows_every_default_and_runs(cluster, scoped_operator, example_ns):
-    ns, obj = example_ns, minimal("minimal")
+    ns, obj = example_ns, minimal("minimal", small_train_file(cluster))
     apply(cluster, ns, obj)
     stored = get_job(cluster, ns, "minimal")["spec"]
     # The API server filled in every section and field, exactly as the operator's models do.
     expected = api.SFTJobSpec.model_validate(obj["spec"]).model_dump(by_alias=True, exclude_none=True, mode="json")
     assert stored == expected
     assert stored["resources"]["nodes"] == 1 and stored["runPolicy"]["backoffLimit"] == 3
-    job = wait_for(lambda: (j := get_job(cluster, ns, "minimal")).get("status", {}).get("phase")
-                   in ("Succeeded", "Failed") and j, 600, interval=1, what="minimal job to finish")
+    job = wait_job(cluster, ns, "minimal", scoped_operator,
+                   lambda j: j if j.get("status", {}).get("phase") in ("Succeeded", "Failed") else None,
+                   600, what="the minimal job to finish")
     assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, "minimal", scoped_operator)
 
 
