@@ -189,12 +189,11 @@ async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[
     node_ready = await rt.kube.node_ready(nodes) if nodes else {}
     scraped = None
     rank0 = _rank0(body, pods)
-    if rt.scraper is None:
-        pass
-    elif rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP"):
+    running = rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP")
+    if rt.scraper is not None and running:
         url = f"http://{rank0['status']['podIP']}:{builders.METRICS_PORT}/metrics"
         scraped = rt.scraper.want(key, rank0["metadata"]["uid"], url)
-    else:
+    elif rt.scraper is not None:
         rt.scraper.forget(key)
     return node_ready, scraped
 

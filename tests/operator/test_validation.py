@@ -11,7 +11,7 @@ from sftjob_operator import api
 from tests.fixtures.cluster import wait_for
 
 from .operator_proc import OperatorProcess
-from .test_integration import JOBS, apply, condition, crd, diagnose, example, example_ns, get_job, wait_job  # noqa: F401,E501
+from .test_integration import apply, condition, crd, diagnose, example, example_ns, get_job, wait_job  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 

@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cluster import wait_for
-
-from .test_integration import (RESUMABLE, apply, checkpointed, condition, crd, example, example_ns,  # noqa: F401
-                               get_job, wait_job)
+from .test_integration import RESUMABLE, apply, checkpointed, crd, example, example_ns, wait_job  # noqa: F401
 from .test_validation import scoped_operator  # noqa: F401
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
