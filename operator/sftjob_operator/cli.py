@@ -93,14 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     # Imported before the election, so that a standby that takes over starts at once.
     import kopf
 
-    from . import handlers, metrics
+    from . import handlers, metrics  # noqa: F401 - importing registers the kopf handlers
+    from .settings import Settings
 
-    handlers.CONFIG.update(
-        namespaces=list(args.namespace) or None,
-        watch_server_timeout=args.watch_timeout,
-        standalone=args.peering is None,
-        peering_name=args.peering,
-    )
+    settings = Settings(namespaces=tuple(args.namespace) or None, watch_server_timeout=args.watch_timeout,
+                        peering_name=args.peering)
     kopf.configure(verbose=args.verbose,
                    log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
@@ -121,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             liveness_endpoint=liveness,
             standalone=args.peering is None,
             peering_name=args.peering,
+            memo=kopf.Memo(settings=settings),
         )
     finally:
         # kopf has stopped (SIGTERM, SIGINT or a fatal error): nothing acts any more, so the

@@ -22,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import api, builders, metrics, progress, reconcile, rejections
 from .kube import Conflict, Kube
+from .settings import Settings
 
 log = logging.getLogger("sftjob_operator")
 
@@ -56,36 +57,32 @@ class Runtime:
         return self.locks.setdefault(key, asyncio.Lock())
 
 
-# Set by cli.main before kopf starts (namespaces to resync, test hooks).
-CONFIG: dict[str, Any] = {"namespaces": None, "watch_server_timeout": 300, "standalone": True}
-
-
 def _rt(memo: Any) -> Runtime:
     return memo["sftjob"]
 
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    ours: Settings = memo.get("settings") or Settings()   # from cli.main, through kopf.run(memo=...)
     # Watches that silently stop are kopf's classic failure (kopf#585): bound both sides.
-    settings.watching.server_timeout = CONFIG["watch_server_timeout"]
-    settings.watching.client_timeout = CONFIG["watch_server_timeout"] + 30
+    settings.watching.server_timeout = ours.watch_server_timeout
+    settings.watching.client_timeout = ours.watch_server_timeout + 30
     settings.watching.connect_timeout = 30
     # A namespace-scoped install has no right to list namespaces; with only exact names
     # kopf needs no scanning, and skipping it starts the watches at once instead of after
     # about a minute of retried 403s.
-    names = CONFIG["namespaces"] or []
-    if names and not any(c in n for n in names for c in "*?["):
+    if ours.exact_namespaces:
         settings.scanning.disabled = True
-    settings.peering.standalone = CONFIG["standalone"]
-    if not CONFIG["standalone"]:
-        settings.peering.name = CONFIG.get("peering_name") or "sftjob-operator"
-        settings.peering.clusterwide = not CONFIG["namespaces"]
+    settings.peering.standalone = ours.peering_name is None
+    if ours.peering_name is not None:
+        settings.peering.name = ours.peering_name
+        settings.peering.clusterwide = not ours.namespaces
     # kopf's own bookkeeping in annotations, never in status (which we own and write whole).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.sftjob.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kopf.sftjob.io", key="last-handled-configuration")
     settings.posting.level = logging.WARNING
-    rt = Runtime(kube=Kube(), namespaces=CONFIG["namespaces"])
+    rt = Runtime(kube=Kube(), namespaces=list(ours.namespaces) if ours.namespaces else None)
     rt.session = aiohttp.ClientSession()
     # Progress is read in the background: a reconcile never waits on a trainer's endpoint,
     # so one unreachable pod cannot delay another job's reconcile.
