@@ -36,8 +36,8 @@ RETRIABLE_ANNOTATION = "kueue.x-k8s.io/retriable-in-group"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
 GATE_PREFIX = "kueue.x-k8s.io/"
 # Set by Kueue on each pod of a Workload it stops (evicted, preempted, deleted), just before
-# it deletes the pod. Reasons: WorkloadEvicted (preemption, waitForPodsReady timeout, ...),
-# WorkloadDeleted, NoMatchingWorkload, ...
+# it deletes the pod. Reasons: WorkloadEvictedDueTo<cause> (Preempted, PodsReadyTimeout, ...;
+# v0.17 on the local cluster: WorkloadEvictedDueToPreempted), WorkloadDeleted, NoMatchingWorkload.
 TERMINATION_TARGET = "TerminationTarget"
 
 REASON_QUEUED = "QueuedByKueue"       # pod condition-like reason of a gated pod

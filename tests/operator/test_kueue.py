@@ -135,15 +135,15 @@ def test_kueue_eviction_is_a_preemption_and_the_next_attempt_is_a_new_group():
         q = terminated(p, 143 if i == 0 else 1, "Preempted: stopped at step 12" if i == 0 else "")
         q["metadata"]["deletionTimestamp"] = "2026-01-01T12:01:00Z"
         q["status"].setdefault("conditions", []).append(
-            {"type": queueing.TERMINATION_TARGET, "status": "True", "reason": "WorkloadEvicted",
+            {"type": queueing.TERMINATION_TARGET, "status": "True", "reason": "WorkloadEvictedDueToPreempted",
              "message": "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue"})
         evicted.append(q)
     out = fp.classify_pod(evicted[1])
-    assert out.state is fp.State.PREEMPTED and out.reason == "WorkloadEvicted" and out.taken_from_outside
+    assert out.state is fp.State.PREEMPTED and out.reason == "WorkloadEvictedDueToPreempted" and out.taken_from_outside
     plan = reconcile.plan(body, evicted, at(60))
     assert plan.status["phase"] == "Restarting"
     assert plan.status["restarts"] == {"failures": 0, "preemptions": 1, "total": 1}
-    assert "WorkloadEvicted" in plan.status["message"]
+    assert "WorkloadEvictedDueToPreempted" in plan.status["message"]
     body = apply(body, plan)
     # Old pods gone (Kueue removed its finalizers): the next gang is a new pod group.
     plan = reconcile.plan(body, [], at(120))

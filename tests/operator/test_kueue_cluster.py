@@ -7,9 +7,11 @@ Kueue is started by the `kueue` fixture (built into the cache on first use) and 
 the namespaces labelled for it, so the other suites never meet its webhook."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
+from datetime import datetime, timezone
 
 import pytest
 
@@ -201,6 +203,22 @@ def test_second_job_waits_gated_until_the_first_finishes(cluster, scoped_operato
           f"second admitted {second_ok - first_done:.2f}s after the first was seen Succeeded")
 
 
+def _resume(log: str) -> tuple[int, int, float]:
+    """From rank 0's log (all attempts, one file): the step checkpointed on SIGTERM, the step
+    the next gang resumed from, and when it logged its first step (epoch seconds). Fails if a
+    step after the resume is not the next one (a step trained twice, or skipped)."""
+    lines = log.splitlines()
+    stop = next(i for i, line in enumerate(lines) if "stopped after SIGTERM: checkpoint step-" in line)
+    saved = int(re.search(r"checkpoint step-(\d+) committed", lines[stop]).group(1))
+    res = next(i for i, line in enumerate(lines) if i > stop and "resumed from" in line)
+    resumed = int(re.search(r"/step-(\d+)\b", lines[res]).group(1))
+    steps = [(int(m.group(1)), line[:8]) for line in lines[res:] if (m := re.search(r" step (\d+)/\d+ loss", line))]
+    assert [n for n, _ in steps] == list(range(resumed + 1, resumed + 1 + len(steps))), steps
+    day = datetime.now(timezone.utc).date()
+    hms = datetime.strptime(steps[0][1], "%H:%M:%S").time()
+    return saved, resumed, datetime.combine(day, hms, tzinfo=timezone.utc).timestamp()
+
+
 def _weights(cluster, uri: str) -> dict:
     import safetensors.torch
 
@@ -234,8 +252,9 @@ def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
         job = wait_job(cluster, ns, "low", op, lambda j: j if j.get("status", {}).get("restarts", {})
                        .get("preemptions") == 1 else None, timeout=120, what="low preempted")
         assert job["status"]["restarts"]["failures"] == 0
-        assert "WorkloadEvicted" in job["status"]["message"] or "Preempted" in job["status"]["message"], \
-            job["status"]["message"]
+        # Judged from Kueue's TerminationTarget condition on the pods (reason WorkloadEvicted).
+        restart_message = job["status"]["message"]
+        assert "WorkloadEvicted" in restart_message, restart_message
         high = wait_job(cluster, ns, "high", op, phase_is("Succeeded", "Failed"), timeout=300, what="high done")
         assert high["status"]["phase"] == "Succeeded", diagnose(cluster, ns, "high", op)
         low = wait_job(cluster, ns, "low", op, phase_is("Succeeded", "Failed"), timeout=400, what="low done")
@@ -246,17 +265,20 @@ def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
         rec.stop()
     rec.check_gangs()
     assert low["status"]["restarts"] == {"failures": 0, "preemptions": 1, "total": 1}
-    # Kueue's eviction was recorded on the old pods: TerminationTarget, WorkloadEvicted.
+    print(f"low's restart: {restart_message}")
+    # Kueue's eviction: it marks the attempt-0 pods TerminationTarget and deletes them.
     evicted = rec.first(lambda pods, jobs: any(
-        (queueing.termination_target(p) or {}).get("reason") == "WorkloadEvicted" for p in pods["low"]))
-    assert evicted, "no low pod ever carried Kueue's TerminationTarget/WorkloadEvicted"
+        p["metadata"].get("deletionTimestamp") or queueing.termination_target(p) for p in pods["low"]
+        if p["metadata"]["labels"].get(queueing.GROUP_LABEL, "").endswith("-a0")))
+    assert evicted, "the sampler never saw low's first gang being evicted"
     # The new gang was a new pod group that waited, gated, while the high job ran.
     regated = rec.first(lambda pods, jobs: any(gated(p) and p["metadata"]["labels"][queueing.GROUP_LABEL]
                                                .endswith("-a1") for p in pods["low"]))
     assert regated, "the restarted low gang was never queued"
-    # Resumed from its checkpoint: no step before the last committed one was trained again.
+    # Resumed from the checkpoint committed on Kueue's SIGTERM: no step trained twice.
     log = cluster.pod_log(ns, "low-node-0")
-    assert "resumed from" in log, log[-2000:]
+    saved, resumed, first_step_at = _resume(log)
+    assert resumed == saved, (saved, resumed)
     after = [s["low"].get("progress", {}).get("step") for _, _, s in rec.samples
              if s["low"].get("attempt", 0) >= 1 and s["low"].get("phase") == "Running"]
     assert all(step is None or step >= ckpt for step in after), (ckpt, after)
@@ -265,14 +287,48 @@ def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
     readmitted = rec.first(lambda pods, jobs: jobs["low"].get("attempt", 0) >= 1 and any(
         p["metadata"]["labels"].get(queueing.GROUP_LABEL, "").endswith("-a1") and not gated(p)
         for p in pods["low"]))
-    resumed_step = rec.first(lambda pods, jobs: jobs["low"].get("attempt", 0) >= 1
-                             and jobs["low"].get("phase") == "Running"
-                             and (jobs["low"].get("progress", {}).get("step") or 0) > ckpt)
     print(f"high applied -> low evicted: {evicted - t_high:.2f}s; high done -> low readmitted: "
-          f"{(readmitted or 0) - (high_done or 0):.2f}s; eviction -> resumed gang's first new step seen: "
-          f"{(resumed_step or 0) - evicted:.2f}s (of which high ran {(high_done or 0) - evicted:.2f}s)")
+          f"{(readmitted or 0) - (high_done or 0):.2f}s; eviction -> resumed gang's first step {saved + 1} "
+          f"(rank 0's log, 1 s resolution): {first_step_at - evicted:.0f}s, of which the high job held the "
+          f"quota {(high_done or 0) - evicted:.0f}s and readmission -> first step took "
+          f"{first_step_at - (readmitted or 0):.0f}s")
     # The preempted run ends with exactly the weights of the undisturbed one.
     a, b = _weights(cluster, low["status"]["output"]["uri"]), _weights(cluster, alone["status"]["output"]["uri"])
     assert a.keys() == b.keys()
     diff = [k for k in a if not (a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and (a[k] == b[k]).all())]
     assert not diff, f"weights differ from the undisturbed run: {diff[:5]}"
+
+
+def test_suspend_releases_the_quota_and_resume_queues_again(cluster, scoped_operator, example_ns, queue):  # noqa: F811
+    ns, op = example_ns, scoped_operator
+    apply(cluster, ns, queued("holder", queue, **SHORT))
+    wait_job(cluster, ns, "holder", op, phase_is("Running"), timeout=120, what="holder running")
+    apply(cluster, ns, queued("waiter", queue, **SHORT))
+    wait_job(cluster, ns, "waiter", op, lambda j: j if (condition(j, "Ready") or {}).get("reason")
+             == queueing.REASON_QUEUED else None, timeout=60, what="waiter queued")
+    holder = get_job(cluster, ns, "holder")
+    group = queueing.group_name("holder", holder["metadata"]["uid"], holder["status"]["attempt"])
+    t_suspend = time.time()
+    cluster.kubectl("-n", ns, "patch", "sft", "holder", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    # The holder's pods are deleted, its Workload finishes, and the waiter gets the quota.
+    wait_for(lambda: len(pods_of(cluster, ns, "waiter")) == 2 and not any(gated(p) for p in pods_of(
+        cluster, ns, "waiter")), 120, what=f"waiter admitted after the suspend\n{kueue_state(cluster, ns)}")
+    released = time.time() - t_suspend
+    holder = get_job(cluster, ns, "holder")
+    assert holder["status"]["phase"] == "Suspended"
+    adm = condition(holder, queueing.ADMITTED)
+    assert adm["status"] == "False" and "releases its quota" in adm["message"], adm
+    try:
+        wl = cluster.kube.get(f"{KUEUE_API}/namespaces/{ns}/workloads/{group}")
+        assert (condition(wl, "Finished") or {}).get("status") == "True", wl.get("status")
+    except ApiError as e:
+        assert e.status == 404
+    # Resumed: a new pod group, queued behind the waiter that now holds the quota.
+    cluster.kubectl("-n", ns, "patch", "sft", "holder", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    job = wait_job(cluster, ns, "holder", op, lambda j: j if (condition(j, "Ready") or {}).get("reason")
+                   == queueing.REASON_QUEUED else None, timeout=120, what="holder queued again")
+    pods = pods_of(cluster, ns, "holder")
+    assert pods and all(gated(p) for p in pods), kueue_state(cluster, ns)
+    assert {queueing.group_of(p) for p in pods} == {queueing.group_name("holder", job["metadata"]["uid"],
+                                                                        job["status"]["attempt"])} != {group}
+    print(f"suspend -> the waiting job's pods ungated: {released:.2f}s")
