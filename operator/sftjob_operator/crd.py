@@ -31,6 +31,8 @@ NAME_RULE = {
 
 PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase", "description": "Lifecycle phase."},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+     "description": "Why the job is in its phase: QueuedByKueue, Unschedulable, AllPodsRunning, ..."},
     {"name": "Step", "type": "string", "jsonPath": ".status.progress.summary", "description": "step/totalSteps."},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "description": "Latest training loss."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total", "description": "Gang restarts."},

@@ -47,7 +47,7 @@ def test_status_keeps_unknown_fields_and_has_subresource():
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
     assert status["x-kubernetes-preserve-unknown-fields"] is True
     cols = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert cols == ["Phase", "Step", "Loss", "Restarts", "Age"]
+    assert cols == ["Phase", "Reason", "Step", "Loss", "Restarts", "Age"]
 
 
 def test_names():
