@@ -74,3 +74,10 @@ def test_schema_has_descriptions_everywhere():
     for name, section in schema["$defs"].items():
         for field, prop in section["properties"].items():
             assert prop.get("description"), f"{name}.{field} has no description"
+
+
+def test_time_based_checkpoint_default_and_bounds():
+    assert build_config(MINIMAL).trainer.save_interval_s == 1800.0
+    assert build_config({**MINIMAL, "trainer": {"output_dir": "o", "save_interval_s": 0}}).trainer.save_interval_s == 0
+    with pytest.raises(ConfigError, match=r"trainer\.save_interval_s"):
+        build_config({**MINIMAL, "trainer": {"output_dir": "o", "save_interval_s": -1}})

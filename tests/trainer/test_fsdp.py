@@ -130,15 +130,15 @@ def _saved_bytes_and_grads(model, mb, precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_activation_checkpointing_under_fsdp2_saves_a_third_or_less(assets, tmp_path, one_rank_group, precision):
+def test_activation_checkpointing_under_fsdp2_saves_a_tenth_or_less(assets, tmp_path, one_rank_group, precision):
     """8 layers: with checkpointing each layer keeps only its input (held by the checkpoint),
-    so what autograd saves for the backward pass falls to ≤ 1/3; loss and gradients are those
+    so what autograd saves for the backward pass falls to ≤ 1/10 (measured: ~4 %); loss and gradients are those
     of the run without it (the recomputation is the same arithmetic)."""
     path = _deep_model(assets, tmp_path, layers=8)
     mb = _packed(path, assets)
     plain_bytes, plain_loss, plain_grads = _saved_bytes_and_grads(_build(path, precision), mb, precision)
     ckpt_bytes, ckpt_loss, ckpt_grads = _saved_bytes_and_grads(_build(path, precision, ckpt=True), mb, precision)
-    assert ckpt_bytes <= plain_bytes / 3, (ckpt_bytes, plain_bytes)
+    assert ckpt_bytes <= plain_bytes / 10, (ckpt_bytes, plain_bytes)
     assert ckpt_loss == plain_loss
     for name, want in plain_grads.items():
         assert torch.equal(ckpt_grads[name], want), name
