@@ -228,3 +228,32 @@ def test_bf16_checkpointed_run_killed_resumes_exactly_from_its_time_based_checkp
     assert sorted(got) == list(range(1, 41))
     assert [got[s] for s in range(1, 41)] == [want[s] for s in range(1, 41)]
     assert want[40] < want[1]
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_packed_under_fsdp2_and_resume_exactly(assets, tmp_path):
+    """trainer.compile on 2 ranks with packed rows (per-sequence attention, left eager) and the
+    chunked loss head: inductor really compiles (its cache fills), the losses follow the eager
+    run's, and a SIGTERMed compiled run resumes to the uninterrupted compiled run's losses exactly."""
+    over = {"trainer.total_training_steps": 8, "data.micro_batch_size_per_gpu": 2, "data.packing": "true",
+            "trainer.log_freq": 1}
+    cache = tmp_path / "inductor"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    eager_out, ref_out, out = tmp_path / "eager", tmp_path / "ref", tmp_path / "int"
+    eager = runner.run(runner.base_args(assets, eager_out, **over), eager_out, nproc=2)
+    assert eager.code == 0, eager.output
+    assert not cache.exists()
+    compiled = {**over, "trainer.compile": "true"}
+    ref = runner.run(runner.base_args(assets, ref_out, **compiled), ref_out, nproc=2, extra_env=env)
+    assert ref.code == 0, ref.output
+    assert list(cache.rglob("*.py")), "inductor generated no kernels: nothing was compiled"
+    want = [r["loss"] for r in ref.steps()]
+    assert max(abs(a - b["loss"]) / b["loss"] for a, b in zip(want, eager.steps())) < 1e-4, (want, eager.steps())
+
+    args = runner.base_args(assets, out, **compiled)
+    stopped = runner.run_and_sigterm(args, out, after_steps=3, nproc=2, extra_env=env)
+    assert stopped.code == 143, stopped.output
+    resumed = runner.run(args, out, nproc=2, extra_env=env)
+    assert resumed.code == 0 and "resumed from" in resumed.output, resumed.output
+    got = {r["step"]: r["loss"] for r in resumed.steps()}
+    assert [got[s] for s in range(1, 9)] == want
