@@ -33,10 +33,10 @@ import logging
 import torch
 from torch import nn
 
+from .attention import pick_attention, register_attention
 from .config import LoraConfig, ModelConfig
 from .dist import World
 from .errors import InvalidConfig
-from .attention import pick_attention, register_attention
 from .precision import WidenedBf16Linear, fsdp_mixed_precision, widened_linear
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> Non
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World,
-                widen_bf16: bool = False, precision: str = "fp32", compile_layers_: bool = False) -> nn.Module:
+                widen_bf16: bool = False, precision: str = "fp32", compiled: bool = False) -> nn.Module:
     """Only rank 0 reads the weights; the other ranks build the model on the meta device and
     receive their shards from rank 0 after sharding. A node's CPU memory then holds one
     full copy of the model, not one per process (8 GPUs × a 70B model in fp32 would not fit)."""
@@ -255,7 +255,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
     install_loss_head(model)
     if widen_bf16:
         widen_bf16_gemms(model)
-    if compile_layers_:
+    if compiled:
         compile_layers(model)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)

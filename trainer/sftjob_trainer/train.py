@@ -81,7 +81,7 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         widen = use_widened_bf16(world.device, cfg.trainer.precision, cfg.trainer.cpu_bf16_gemm)
         self.model = build_model(cfg.model, cfg.lora, model_path, world, widen_bf16=widen,
-                                 precision=cfg.trainer.precision, compile_layers_=cfg.trainer.compile)
+                                 precision=cfg.trainer.precision, compiled=cfg.trainer.compile)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=world.size == 1)
         self.n_matmul = matmul_params(self.model)
         self.n_layers, self.d_attn = attention_dims(self.model)
