@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """`make bench-gpu`: our trainer on one GPU, a 0.5B Qwen2-shaped random model, bf16.
 
-One short command for a lent GPU machine; elsewhere it prints why it skipped and exits 0.
+One short command for a lent GPU machine; elsewhere it says that it measured nothing and exits
+2 (so no caller mistakes a CPU machine's silence for a result), or 0 with --allow-no-gpu.
 Builds (once, under --work): the bench data (make_data.py) and a random Qwen2-0.5B-shaped
 model (hidden 896, 24 layers, 14 heads / 2 KV heads, MLP 4864, vocab 151,936, tied
 embeddings) saved with save_pretrained next to the bench's word-level tokenizer (its ids
@@ -11,7 +12,7 @@ packed micro-batches by token budget, flash-attention varlen when flash-attn is 
 warm-up) and MFU against --peak-tflops (default 790, an H100/H200-class dense bf16 peak).
 
 Usage: python bench/bench_gpu.py [--steps 12] [--warmup 3] [--global-batch 64]
-                                 [--tokens-per-micro-batch 16384] [--work .bench/gpu]
+                                 [--tokens-per-micro-batch 16384] [--work .bench/gpu] [--allow-no-gpu]
 """
 from __future__ import annotations
 
@@ -62,13 +63,18 @@ def main() -> int:
     ap.add_argument("--examples", type=int, default=2048)
     ap.add_argument("--peak-tflops", type=float, default=790.0)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "gpu")
+    ap.add_argument("--allow-no-gpu", action="store_true", help="exit 0 (not 2) on a machine without CUDA")
     args = ap.parse_args()
 
     import torch
 
     if not torch.cuda.is_available():
-        print("bench-gpu: skipped (no CUDA device on this machine)")
-        return 0
+        if args.allow_no_gpu:
+            print("bench-gpu: SKIPPED on purpose: no CUDA device on this machine, nothing was measured")
+            return 0
+        print("bench-gpu: FAILED: no CUDA device on this machine, nothing was measured "
+              "(--allow-no-gpu to skip on purpose)", file=sys.stderr)
+        return 2
     assert args.steps * args.global_batch <= args.examples, "not enough examples for the steps asked"
     args.work.mkdir(parents=True, exist_ok=True)
     data, model = prepare(args.work, args.examples)

@@ -8,6 +8,10 @@ spreads over all of them):
   trl_padded     HF TRL SFTTrainer, default padded collator (the loss reference)
   trl_packed     HF TRL SFTTrainer, packing=True (bfd), TRL's fastest mode here
   plain_padfree  a hand-written padding-free torch loop
+  ours_compiled  (opt-in) ours with trainer.compile=true: torch.compile per decoder layer
+  ours_baseline  (opt-in, with --baseline-trainer DIR) ours from another checkout's trainer/
+                 directory, e.g. `git archive main trainer | tar -x -C /tmp/base`: before/after
+                 numbers in one run
 each in fp32 and in bf16 autocast. Workload, timing window (steps 3..N) and the MFU formula
 are those of bench/README.md. Peak RSS is the process's own, from wait4().
 
@@ -32,6 +36,8 @@ sys.path.insert(0, str(BENCH))
 import common  # noqa: E402
 
 CONTENDERS = ["ours", "trl_padded", "trl_packed", "plain_padfree"]
+# Variants of our trainer: the extra overrides each runs with.
+OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": []}
 PEERS = {
     "trl_padded": ("peer_trl.py", ["--mode", "padded"]),
     "trl_packed": ("peer_trl.py", ["--mode", "packed"]),
@@ -162,10 +168,15 @@ def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     common_flags = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup)]
-    if name == "ours":
+    if name in OURS:
         run_out = base.with_suffix(".out")
         shutil.rmtree(run_out, ignore_errors=True)
-        code, rss = run_process(ours_command(inp, run_out, precision, args.steps, args.ours_extra), base.with_suffix(".log"), env)
+        if name == "ours_baseline":
+            if not args.baseline_trainer:
+                raise SystemExit("ours_baseline needs --baseline-trainer DIR (a checkout's trainer/ directory)")
+            env["PYTHONPATH"] = os.pathsep.join([str(args.baseline_trainer), env.get("PYTHONPATH", "")])
+        cmd = ours_command(inp, run_out, precision, args.steps, args.ours_extra + OURS[name])
+        code, rss = run_process(cmd, base.with_suffix(".log"), env)
         if code:
             raise SystemExit(f"{name} {precision} failed (exit {code}), see {base}.log")
         res = summarize_ours(run_out, inp, precision, args.warmup)
@@ -227,6 +238,11 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
             t = med("tokens_per_s", trl)
             checks.append(f"{precision}: ours ÷ TRL best (packed) = {o / t:.2f}× (need ≥ 1.30) "
                           f"{'PASS' if o >= 1.3 * t else 'FAIL'}")
+        for variant in ("ours_compiled", "ours_baseline"):
+            if (v := by.get((variant, precision))):
+                vs = med("tokens_per_s", v)
+                vs_trl = f", ÷ TRL packed = {vs / med('tokens_per_s', trl):.2f}×" if trl else ""
+                checks.append(f"{precision}: {variant} ÷ ours = {vs / o:.2f}×{vs_trl}")
         if (plain := by.get(("plain_padfree", precision))):
             p = med("tokens_per_s", plain)
             checks.append(f"{precision}: ours ÷ plain padding-free loop = {o / p:.2f}× (need ≥ 1.00) "
@@ -260,6 +276,8 @@ def main() -> None:
     ap.add_argument("--peak-seconds", type=float, default=1.0)
     ap.add_argument("--peak-sizes", default="1024,2048", help="matmul sizes for the peak measurement")
     ap.add_argument("--ours-extra", nargs="*", default=[], help="extra key=value overrides for our trainer")
+    ap.add_argument("--baseline-trainer", type=Path, default=None,
+                    help="a trainer/ directory (another checkout) that the ours_baseline contender runs")
     args = ap.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -269,9 +287,9 @@ def main() -> None:
     check_same_tokens(inp["data"], inp["model"])
     contenders = args.contenders.split(",")
     precisions = args.precisions.split(",")
-    unknown = set(contenders) - set(PEERS) - {"ours"}
+    unknown = set(contenders) - set(PEERS) - set(OURS)
     if unknown:
-        raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from ours, {', '.join(PEERS)}")
+        raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {', '.join([*OURS, *PEERS])}")
 
     results = []
     for rep in range(1, args.reps + 1):

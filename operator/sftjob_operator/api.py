@@ -150,10 +150,11 @@ class LoraSpec(_LoraBase):  # type: ignore[misc,valid-type]
 
 
 # The trainer's `trainer` section minus what the operator derives: output_dir (from
-# spec.storage), save_freq and keep_checkpoints (spec.checkpoint), metrics_port (the
+# spec.storage), save_freq, save_interval_s and keep_checkpoints (spec.checkpoint), metrics_port (the
 # operator scrapes it) and stop_timeout_s (spec.runPolicy.terminationGracePeriodSeconds).
 # A key the trainer adds appears here by itself (and the CRD drift test asks for `make crds`).
-OPERATOR_OWNED_TRAINER_FIELDS = ("output_dir", "save_freq", "keep_checkpoints", "metrics_port", "stop_timeout_s")
+OPERATOR_OWNED_TRAINER_FIELDS = ("output_dir", "save_freq", "save_interval_s", "keep_checkpoints", "metrics_port",
+                                 "stop_timeout_s")
 TRAINING_RUN_FIELDS = [n for n in TrainerConfig.model_fields if n not in OPERATOR_OWNED_TRAINER_FIELDS]
 _TrainingBase = create_model(  # type: ignore[call-overload]
     "_TrainingBase", __base__=_Spec,
@@ -366,7 +367,13 @@ class CheckpointSpec(_Spec):
 
     interval: int = Field(
         default=TrainerConfig.model_fields["save_freq"].default, ge=0,
-        description="Checkpoint every N optimizer steps (0: only when stopped by SIGTERM).",
+        description="Checkpoint every N optimizer steps (0: by intervalSeconds and on SIGTERM only).",
+    )
+    interval_seconds: float = Field(
+        default=TrainerConfig.model_fields["save_interval_s"].default, ge=0,
+        description="Also checkpoint at the first step boundary once this many seconds have passed since the last "
+        "committed checkpoint (or the start), so that a crash, SIGKILL or lost node loses at most about this much "
+        "training; the SIGTERM of a preemption always checkpoints. 0 disables.",
     )
     keep: int = Field(
         default=TrainerConfig.model_fields["keep_checkpoints"].default, ge=1, le=1000,
@@ -448,6 +455,9 @@ class SFTJobSpec(_Spec):
              "resources.processesPerNode is immutable", field_path=".resources.processesPerNode"),
         _cel("!has(self.storage.endpoint) || self.storage.uri.startsWith('s3://')",
              "storage.endpoint only applies to an s3:// storage.uri", field_path=".storage.endpoint"),
+        _cel("self.model.attnImplementation != 'flash_attention_2' || self.training.precision != 'fp32'",
+             "model.attnImplementation flash_attention_2 needs training.precision bf16 (flash-attention does not run "
+             "in fp32); use attnImplementation auto or sdpa, or precision bf16", field_path=".model.attnImplementation"),
     ))
 
     model: ModelSpec = Field(description="The base model to fine-tune. Immutable.",

@@ -122,6 +122,7 @@ def trainer_config(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRIC
             **training,
             "output_dir": output_dir(job, spec),
             "save_freq": spec.checkpoint.interval,
+            "save_interval_s": spec.checkpoint.interval_seconds,
             "keep_checkpoints": spec.checkpoint.keep,
             "metrics_port": metrics_port,
             "stop_timeout_s": stop_timeout_s(spec),

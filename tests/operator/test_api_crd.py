@@ -72,6 +72,7 @@ def test_training_run_fields_come_from_trainer():
     for name in api.TRAINING_RUN_FIELDS:
         assert api.TrainingSpec.model_fields[name].default == TrainerConfig.model_fields[name].default
     assert api.CheckpointSpec().interval == TrainerConfig.model_fields["save_freq"].default
+    assert api.CheckpointSpec().interval_seconds == TrainerConfig.model_fields["save_interval_s"].default
 
 
 def test_spec_defaults_fill_in():

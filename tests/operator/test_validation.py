@@ -102,6 +102,8 @@ INVALID = [
     ("path storage without a volume", {"storage.uri": "/runs", "storage.endpoint": None},
      "spec.storage.persistentVolumeClaim"),
     ("watchdog too short", {"runPolicy.progressDeadlineSeconds": 5}, "spec.runPolicy.progressDeadlineSeconds"),
+    ("flash-attention in fp32", {"model.attnImplementation": "flash_attention_2"}, "spec.model.attnImplementation"),
+    ("negative checkpoint seconds", {"checkpoint.intervalSeconds": -1}, "spec.checkpoint.intervalSeconds"),
 ]
 
 

@@ -66,6 +66,47 @@ def run(args: list[str], out: Path, nproc: int = 1, timeout: float = 600, extra_
     return Result(proc.returncode, proc.stdout + proc.stderr, Path(out))
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (torchrun starts its ranks in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    for p in process_tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_and_kill(args: list[str], out: Path, after_steps: int, nproc: int = 1, timeout: float = 600) -> Result:
+    """Start a run and SIGKILL its whole process tree (launcher and ranks: a lost node) once
+    ``after_steps`` steps are in metrics.jsonl; nothing gets to checkpoint on the way out."""
+    proc = subprocess.Popen(command(args, nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env())
+    deadline = time.time() + timeout
+    while len([r for r in read_metrics(out) if "loss" in r]) < after_steps:
+        if proc.poll() is not None or time.time() > deadline:
+            kill_tree(proc.pid)
+            raise AssertionError(f"run ended or stalled before it was killed:\n{proc.communicate()[0]}")
+        time.sleep(0.02)
+    kill_tree(proc.pid)
+    output, _ = proc.communicate(timeout=timeout)
+    return Result(proc.returncode, output, Path(out))
+
+
 def run_and_sigterm(args: list[str], out: Path, after_steps: int, nproc: int = 1, timeout: float = 600,
                     extra_env: dict | None = None) -> Result:
     """Start a run and SIGTERM it once ``after_steps`` steps are in metrics.jsonl (under ``out``)."""

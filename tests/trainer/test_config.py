@@ -91,3 +91,10 @@ def test_same_prompt_and_response_column_is_fine_for_chat_data():
     cfg = build_config({**MINIMAL, "data": {"train_files": "x", "messages_key": "messages",
                                             "prompt_key": "m", "response_key": "m"}})
     assert cfg.data.messages_key == "messages"
+
+
+def test_time_based_checkpoint_default_and_bounds():
+    assert build_config(MINIMAL).trainer.save_interval_s == 1800.0
+    assert build_config({**MINIMAL, "trainer": {"output_dir": "o", "save_interval_s": 0}}).trainer.save_interval_s == 0
+    with pytest.raises(ConfigError, match=r"trainer\.save_interval_s"):
+        build_config({**MINIMAL, "trainer": {"output_dir": "o", "save_interval_s": -1}})

@@ -200,3 +200,60 @@ def test_tied_qwen2_with_dynamic_rope_trains_the_same_on_2_ranks(assets, tmp_pat
         runs[nproc] = [r["loss"] for r in res.steps()]
     assert len(runs[1]) == 4
     assert max(abs(a - b) for a, b in zip(runs[1], runs[2])) < 1e-5, runs
+
+
+def test_bf16_checkpointed_run_killed_resumes_exactly_from_its_time_based_checkpoint(assets, tmp_path):
+    """2 ranks, bf16 (FSDP2 mixed precision) with activation checkpointing, save_freq=0 and a
+    tiny save_interval_s: the run leaves committed checkpoints on its own; SIGKILLed (no stop
+    checkpoint), it resumes from the newest and the rerun's losses equal the uninterrupted run's."""
+    over = {"trainer.total_training_steps": 40, "data.micro_batch_size_per_gpu": 2, "trainer.precision": "bf16",
+            "trainer.cpu_bf16_gemm": "widened", "model.gradient_checkpointing": "true", "trainer.save_freq": 0}
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    ref = runner.run(runner.base_args(assets, ref_out, **over, **{"trainer.save_interval_s": 0}), ref_out, nproc=2)
+    assert ref.code == 0, ref.output
+    assert sorted(p.name for p in (ref_out / "checkpoints").iterdir()) == ["step-40"]  # interval off: final only
+
+    args = runner.base_args(assets, out, **over, **{"trainer.save_interval_s": 0.001, "trainer.keep_checkpoints": 50})
+    killed = runner.run_and_kill(args, out, after_steps=5, nproc=2)
+    assert killed.code != 0
+    committed = sorted(int(p.parent.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*/COMMITTED"))
+    assert len(committed) >= 3 and committed[-1] < 40, committed  # one after every step (each takes > 1 ms)
+
+    resumed = runner.run(args, out, nproc=2)
+    assert resumed.code == 0, resumed.output
+    newest = committed[-1]
+    assert f"resumed from {out / 'checkpoints' / f'step-{newest}'}" in resumed.output, resumed.output
+    got = {r["step"]: r["loss"] for r in resumed.steps()}  # the file holds both attempts; later wins
+    want = {r["step"]: r["loss"] for r in ref.steps()}
+    assert sorted(got) == list(range(1, 41))
+    assert [got[s] for s in range(1, 41)] == [want[s] for s in range(1, 41)]
+    assert want[40] < want[1]
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_packed_under_fsdp2_and_resume_exactly(assets, tmp_path):
+    """trainer.compile on 2 ranks with packed rows (per-sequence attention, left eager) and the
+    chunked loss head: inductor really compiles (its cache fills), the losses follow the eager
+    run's, and a SIGTERMed compiled run resumes to the uninterrupted compiled run's losses exactly."""
+    over = {"trainer.total_training_steps": 8, "data.micro_batch_size_per_gpu": 2, "data.packing": "true",
+            "trainer.log_freq": 1}
+    cache = tmp_path / "inductor"
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    eager_out, ref_out, out = tmp_path / "eager", tmp_path / "ref", tmp_path / "int"
+    eager = runner.run(runner.base_args(assets, eager_out, **over), eager_out, nproc=2)
+    assert eager.code == 0, eager.output
+    assert not cache.exists()
+    compiled = {**over, "trainer.compile": "true"}
+    ref = runner.run(runner.base_args(assets, ref_out, **compiled), ref_out, nproc=2, extra_env=env)
+    assert ref.code == 0, ref.output
+    assert list(cache.rglob("*.py")), "inductor generated no kernels: nothing was compiled"
+    want = [r["loss"] for r in ref.steps()]
+    assert max(abs(a - b["loss"]) / b["loss"] for a, b in zip(want, eager.steps())) < 1e-4, (want, eager.steps())
+
+    args = runner.base_args(assets, out, **compiled)
+    stopped = runner.run_and_sigterm(args, out, after_steps=3, nproc=2, extra_env=env)
+    assert stopped.code == 143, stopped.output
+    resumed = runner.run(args, out, nproc=2, extra_env=env)
+    assert resumed.code == 0 and "resumed from" in resumed.output, resumed.output
+    got = {r["step"]: r["loss"] for r in resumed.steps()}
+    assert [got[s] for s in range(1, 9)] == want

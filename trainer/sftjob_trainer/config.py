@@ -59,13 +59,14 @@ class ModelConfig(_Section):
     )
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = Field(
         default="auto",
-        description="Attention kernel. 'auto' picks flash_attention_2 on GPU when the "
+        description="Attention kernel. 'auto' picks flash_attention_2 for bf16 training on a GPU when the "
         "flash-attn package is importable, else sdpa run once per sequence of a packed row "
-        "(padded batches use plain sdpa).",
+        "(padded batches use plain sdpa). flash_attention_2 needs trainer.precision bf16 and a GPU.",
     )
     gradient_checkpointing: bool = Field(
         default=False,
-        description="Recompute decoder-layer activations in the backward pass to save memory.",
+        description="Recompute each decoder layer's activations in the backward pass (only the layer "
+        "inputs are kept): less activation memory for about one more forward pass of compute.",
     )
     trust_remote_code: bool = Field(
         default=False,
@@ -205,8 +206,15 @@ class TrainerConfig(_Section):
     save_freq: int = Field(
         default=0,
         ge=0,
-        description="Checkpoint every N optimizer steps (0: only on SIGTERM). The end of "
+        description="Checkpoint every N optimizer steps (0: only on SIGTERM and by save_interval_s). The end of "
         "training always exports the final model.",
+    )
+    save_interval_s: float = Field(
+        default=1800.0,
+        ge=0,
+        description="Also checkpoint after the first step that ends once this many seconds have passed since the "
+        "last committed checkpoint (or the start of training), so a crash, SIGKILL or lost node loses at most "
+        "about this much training. 0 disables.",
     )
     keep_checkpoints: int = Field(
         default=2, gt=0, description="Committed checkpoints to keep; older ones are pruned after a new one commits."
@@ -229,6 +237,11 @@ class TrainerConfig(_Section):
         "converted exactly to fp32, fp32 GEMM, result rounded to bf16: the same arithmetic at fp32 GEMM speed), "
         "auto (widened on CPUs without AVX512-BF16/AMX, where native bf16 is emulated and several times slower). "
         "Ignored on GPUs and with precision fp32.",
+    )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each decoder layer (fuses the norms, activations, rotary embedding and casts "
+        "around the matmuls; attention stays eager). The first steps pay the compile time.",
     )
     metrics_port: int = Field(
         default=0,
@@ -269,6 +282,15 @@ class SFTConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     trainer: TrainerConfig
+
+    @model_validator(mode="after")
+    def _flash_attention_needs_bf16(self) -> "SFTConfig":
+        # flash-attention refuses fp32 inputs: fail here, not at the first forward on the GPU.
+        if self.model.attn_implementation == "flash_attention_2" and self.trainer.precision == "fp32":
+            raise ValueError("model.attn_implementation=flash_attention_2 needs trainer.precision=bf16 "
+                             "(flash-attention does not run in fp32); use attn_implementation auto or sdpa, "
+                             "or trainer.precision bf16")
+        return self
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -5,10 +5,9 @@ Each step is a small function taking only the config it needs, so the order
 top to bottom in `build_model`. With several processes only rank 0 reads the weights;
 the others build on the meta device and receive their shards.
 
-Three throughput pieces live here because they change how the model computes, not what:
-- ``sdpa_varlen`` attention: a packed row (several sequences, positions restarting) runs
-  causal sdpa once per sequence instead of one dense block-diagonal mask over the whole
-  row, so no attention FLOPs are spent on blocks that are masked out anyway.
+What this file decides for a run:
+- the attention kernel (attention.py: flash-attention only for bf16 on CUDA, else
+  ``sdpa_varlen``, our per-sequence sdpa for packed rows);
 - `LossHead`: the LM head, which (while a loss is requested) returns the summed
   cross-entropy of its targets instead of logits, computed in vocabulary chunks so that
   ``[tokens, vocab]`` logits never exist at once (see `loss.py`). It stays inside the
@@ -16,94 +15,31 @@ Three throughput pieces live here because they change how the model computes, no
 - `widen_bf16_gemms`: on CPUs without native bf16, the bf16 autocast products of the linear
   layers, the head and the attention run as fp32 GEMMs of the exactly widened operands
   (precision.py).
+- per decoder layer, in this order inside each layer's FSDP2 unit: ``torch.compile``
+  (trainer.compile), then activation checkpointing (model.gradient_checkpointing). Both
+  replace only the layer's ``forward`` attribute, so module names, state-dict keys and
+  checkpoints do not change, and FSDP2's hooks stay outside both (as in torchtitan, where the
+  checkpoint wrapper sits inside ``fully_shard``): the layer's parameters are gathered before
+  its forward, and before its recomputation in the backward pass.
+- FSDP2 with the run's `MixedPrecisionPolicy` (precision.py): bf16 runs gather bf16
+  parameters and reduce fp32 gradients into fp32 shards.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import functools
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .attention import pick_attention, register_attention
 from .config import LoraConfig, ModelConfig
 from .dist import World
 from .errors import InvalidConfig
-from .precision import WidenedBf16Linear, bf16_autocast_on, widened_linear, widened_sdpa
+from .precision import WidenedBf16Linear, fsdp_mixed_precision, widened_linear
 
 log = logging.getLogger(__name__)
-
-VARLEN = "sdpa_varlen"
-
-
-# --------------------------------------------------------------------------- attention
-
-
-def sequence_bounds(kwargs: dict) -> list[int]:
-    """Start offsets of the sequences in a packed row, plus its length at the end."""
-    cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:
-        return [int(x) for x in cu.tolist()]
-    pos = kwargs.get("position_ids")
-    if pos is None:
-        raise RuntimeError(f"{VARLEN} attention needs position_ids or cu_seq_lens_q to find sequence boundaries")
-    row = pos.reshape(-1)
-    starts = (row == 0).nonzero().reshape(-1).tolist()
-    if not starts or starts[0] != 0:
-        starts = [0] + starts
-    return starts + [row.numel()]
-
-
-def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Causal sdpa per sequence of a packed row; anything else goes to stock sdpa.
-
-    query/key/value are [1, heads, tokens, head_dim]; the result is [1, tokens, heads, head_dim]
-    like every transformers attention function.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    bounds = sequence_bounds(kwargs)
-    sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    gqa = query.shape[1] != key.shape[1]
-    widen = getattr(module, "widen_bf16", False) and bf16_autocast_on(query.device)
-    sdpa = widened_sdpa if widen else F.scaled_dot_product_attention
-    # split, not slicing: the backward of a split is one cat, while every slice's backward
-    # would zero-fill and add a full-size gradient (a cost growing with sequences per row).
-    parts = [
-        sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-        for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
-    ]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def varlen_sdpa_mask(*args, attention_mask=None, **kwargs):
-    """No mask for unpadded rows (the attention splits them by sequence); stock sdpa's otherwise."""
-    from transformers.masking_utils import sdpa_mask
-
-    if attention_mask is None:
-        return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
-
-
-def register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(VARLEN, varlen_sdpa_attention)
-    AttentionMaskInterface.register(VARLEN, varlen_sdpa_mask)
-
-
-def pick_attention(cfg: ModelConfig, device: torch.device) -> str:
-    if cfg.attn_implementation != "auto":
-        return cfg.attn_implementation
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return VARLEN
-
 
 # --------------------------------------------------------------------------- loss head
 
@@ -166,13 +102,14 @@ def widen_bf16_gemms(model: nn.Module) -> None:
 # --------------------------------------------------------------------------- building
 
 
-def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights: bool = True) -> nn.Module:
+def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights: bool = True,
+               precision: str = "fp32") -> nn.Module:
     """The model with its pretrained weights in CPU memory, or (``weights=False``) the same
     architecture on the meta device: no memory, filled later from rank 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     register_attention()
-    attn = pick_attention(cfg, device)
+    attn = pick_attention(cfg.attn_implementation, device, precision)
     try:
         if weights:
             model = AutoModelForCausalLM.from_pretrained(
@@ -190,7 +127,7 @@ def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights:
             except Exception as err:  # noqa: BLE001 - some remote code computes real values at init
                 log.warning("cannot build %s on the meta device (%s); reading the weights on this rank too",
                             type(config).__name__, err)
-                return load_model(cfg, local_path, device, weights=True)
+                return load_model(cfg, local_path, device, weights=True, precision=precision)
     except (OSError, ValueError) as err:
         raise InvalidConfig(f"model.path {cfg.path}: cannot load a causal LM ({err})") from None
     # KV caching is for generation only; training never uses it.
@@ -230,24 +167,37 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if hasattr(model, "enable_input_require_grads"):
-        # With frozen embeddings (LoRA) checkpointed blocks need an input that requires grad.
-        model.enable_input_require_grads()
+    """Recompute each decoder layer's activations in the backward pass: only the layer's
+    inputs are saved (non-reentrant checkpoint, so frozen LoRA inputs need no grad)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
 
-def shard_model(model: nn.Module, world: World) -> nn.Module:
-    """FSDP2: one `fully_shard` per decoder layer, then the root."""
-    if world.size == 1:
+def compile_layers(model: nn.Module) -> None:
+    """``torch.compile`` each decoder layer's forward (the norms, activations, rotary and casts
+    around its matmuls fuse). ``sdpa_varlen`` attention stays eager (attention.py); the token
+    count of a packed row varies, so shapes are dynamic from the first compile."""
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
+def shard_model(model: nn.Module, world: World, precision: str = "fp32") -> nn.Module:
+    """FSDP2: one `fully_shard` per decoder layer, then the root, all with the precision's
+    `MixedPrecisionPolicy`. Without a process group (one process) the model stays whole."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
         return model.to(world.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(world.device.type, (world.size,))
+    mesh = init_device_mesh(world.device.type, (dist.get_world_size(),))
+    mp = fsdp_mixed_precision(precision)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
 
@@ -282,7 +232,7 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> Non
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World,
-                widen_bf16: bool = False) -> nn.Module:
+                widen_bf16: bool = False, precision: str = "fp32", compiled: bool = False) -> nn.Module:
     """Only rank 0 reads the weights; the other ranks build the model on the meta device and
     receive their shards from rank 0 after sharding. A node's CPU memory then holds one
     full copy of the model, not one per process (8 GPUs × a 70B model in fp32 would not fit)."""
@@ -290,7 +240,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
 
     model, error = None, None
     try:
-        model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0)
+        model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0, precision=precision)
     except InvalidConfig as err:
         error = str(err)
     except Exception as err:  # noqa: BLE001 - e.g. a truncated safetensors file: retrying cannot help
@@ -305,9 +255,11 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
     install_loss_head(model)
     if widen_bf16:
         widen_bf16_gemms(model)
+    if compiled:
+        compile_layers(model)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    model = shard_model(model, world)
+    model = shard_model(model, world, precision)
     if world.size > 1:
         load_from_rank0(model, full_sd, world)
         del full_sd

@@ -1,15 +1,25 @@
-"""Compute precision: bf16 autocast, and how its matrix products run on a CPU.
+"""Compute precision: every choice ``trainer.precision`` implies is made in this file.
 
-``trainer.precision=bf16`` is autocast: matmul operands are rounded to bf16, products are
-accumulated in fp32 and rounded to bf16; master weights, gradients and optimizer state stay
-fp32. GPUs and CPUs with AVX512-BF16 or AMX run those products natively. Other x86 CPUs
+``trainer.precision=bf16`` means, on every device:
+- FSDP2 (several processes) runs with ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` (`fsdp_mixed_precision`): the sharded master parameters and the
+  optimizer state are fp32, each layer's all-gather casts its shard to bf16 first (half the
+  traffic and unsharded memory of fp32; LoRA's frozen base weights too), and gradients are
+  reduce-scattered in fp32 into fp32 gradient shards. One process keeps fp32 weights.
+- bf16 autocast stays on around the forward: with bf16 parameters it is what keeps the
+  ops autocast lists as fp32 in fp32, and it marks the products that run *widened* below.
+  Matmul operands are rounded to bf16, products are accumulated in fp32 and rounded to bf16.
+
+GPUs and CPUs with AVX512-BF16 or AMX run those products natively. Other x86 CPUs
 (AVX-512 without BF16, AVX2) have no bf16 dot product: oneDNN emulates one, several times
 slower than its fp32 GEMM. There the trainer can run each bf16 product *widened*: the bf16
 operands are converted to fp32 (exactly, bf16 is a prefix of fp32), multiplied by the fp32
 GEMM, and the result rounded to bf16. That is the same arithmetic a bf16 GEMM with fp32
 accumulation does, up to summation order, at fp32 GEMM speed. Linear layers save their
-bf16 inputs for the backward pass; attention saves fp32 copies, one sequence at a time. ``trainer.cpu_bf16_gemm`` chooses: ``auto`` (widened exactly when
-the CPU lacks native bf16), ``native`` or ``widened``.
+bf16 inputs for the backward pass; attention saves fp32 copies, one sequence at a time.
+``trainer.cpu_bf16_gemm`` chooses (`use_widened_bf16`): ``auto`` (widened exactly when the
+CPU lacks native bf16), ``native`` or ``widened``. The widened path needs nothing from FSDP:
+it widens bf16 operands, whether autocast or the gather made them bf16.
 """
 from __future__ import annotations
 
@@ -48,6 +58,15 @@ def use_widened_bf16(device: torch.device, precision: str, cpu_bf16_gemm: str) -
         log.info("bf16 matrix products run widened to fp32 GEMMs: this CPU has no AVX512-BF16/AMX "
                  "(same arithmetic as a bf16 GEMM; trainer.cpu_bf16_gemm=native to use oneDNN's emulation)")
     return cpu_bf16_gemm == "widened" or (cpu_bf16_gemm == "auto" and not native)
+
+
+def fsdp_mixed_precision(precision: str):
+    """FSDP2's policy for ``trainer.precision`` (see the module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def autocast_for(device: torch.device, precision: str):

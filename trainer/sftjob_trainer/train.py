@@ -80,7 +80,8 @@ class Trainer:
 
         torch.manual_seed(cfg.trainer.seed)
         widen = use_widened_bf16(world.device, cfg.trainer.precision, cfg.trainer.cpu_bf16_gemm)
-        self.model = build_model(cfg.model, cfg.lora, model_path, world, widen_bf16=widen)
+        self.model = build_model(cfg.model, cfg.lora, model_path, world, widen_bf16=widen,
+                                 precision=cfg.trainer.precision, compiled=cfg.trainer.compile)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=world.size == 1)
         self.n_matmul = matmul_params(self.model)
         self.n_layers, self.d_attn = attention_dims(self.model)
@@ -94,6 +95,8 @@ class Trainer:
         )
         self.last_committed = -1
         self._resume()
+        # Clock of trainer.save_interval_s: the last committed checkpoint, or now (rank 0's counts).
+        self.last_save_time = time.monotonic()
         # Started after the resume so a scrape never sees step 0 of a resumed run.
         self.metrics = Metrics(self.output / "metrics.jsonl" if world.is_main else None,
                                cfg.trainer.metrics_port if world.is_main else 0)
@@ -136,6 +139,7 @@ class Trainer:
         blocked = self.checkpoints.save(self.model, self.optimizer, self.state, final=final, until=until,
                                         stopping=lambda: self.stop.requested)
         self.last_committed = self.state.step
+        self.last_save_time = time.monotonic()
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
                  "" if final or not self.outputs.remote else " (uploading in the background)")
         self.metrics.gauge(checkpoint_save_seconds=blocked)
@@ -147,13 +151,15 @@ class Trainer:
         cfg = self.cfg.trainer
         while self.state.step < self.total_steps:
             micro_batches = self.batches.step_batches(self.state.epoch, self.state.cursor)
+            # One all-reduce per step carries the token counts, the SIGTERM flag and rank 0's
+            # save_interval_s decision, so every rank checkpoints after the same step at no extra cost.
             local = torch.tensor([sum(mb.n_targets for mb in micro_batches), sum(mb.n_tokens for mb in micro_batches),
-                                  float(self.stop.requested)], dtype=torch.float64)
-            n_targets, n_tokens, stops = dist_utils.all_reduce_sum(local).tolist()
+                                  float(self.stop.requested), float(self._interval_due())], dtype=torch.float64)
+            n_targets, n_tokens, stops, interval_due = dist_utils.all_reduce_sum(local).tolist()
             if stops:
                 raise Preempted(self._stop_checkpoint())
             self._train_step(micro_batches, n_targets, n_tokens)
-            if cfg.save_freq and self.state.step % cfg.save_freq == 0:
+            if (cfg.save_freq and self.state.step % cfg.save_freq == 0) or interval_due:
                 self.save()
             if self.val_ds is not None and cfg.test_freq and self.state.step % cfg.test_freq == 0:
                 self.validate()
@@ -161,6 +167,11 @@ class Trainer:
         if self.val_ds is not None:
             self.validate()
         return self.export()
+
+    def _interval_due(self) -> bool:
+        """Rank 0 only: has trainer.save_interval_s passed since the last committed checkpoint?"""
+        every = self.cfg.trainer.save_interval_s
+        return bool(self.world.is_main and every and time.monotonic() - self.last_save_time >= every)
 
     def _stop_checkpoint(self) -> str:
         """Checkpoint after SIGTERM within trainer.stop_timeout_s; says what was kept.
