@@ -102,7 +102,12 @@ def test_bench_statistics():
 @pytest.mark.slow
 def test_short_chaos_run(cluster, tmp_path):
     """4 faults of 3 kinds: the job succeeds with the reference run's weights bit for bit,
-    no committed checkpoint is lost and status.restarts equals the faults by cause."""
+    no committed checkpoint is lost and status.restarts equals the faults by cause.
+
+    Known operator bug this catches (a race, so not every run): a SIGKILLed rank (exit 137,
+    a preemption) takes its peer down with a gloo error (exit 1, TrainingError) before the
+    operator looks, and failure_policy.judge_gang lets the peer's failure win, so the
+    restart is counted as a failure (`trainer-sigkill ... failures +1 MISMATCH`)."""
     tag = f"chaos-t-{uuid.uuid4().hex[:5]}"
     ns, system_ns = tag, f"{tag}-sys"
     cmd = [sys.executable, "-m", "hack.chaos", "--seed", "5", "--faults", "4", "--min-kinds", "3",
@@ -139,5 +144,5 @@ def test_bench_operator_harness(cluster, tmp_path):
     assert res["phases"].get("Running") == 50, res["phases"]
     for key in ("latency_p50_s", "latency_p99_s", "peak_rss_mb", "steady_state_s", "reconciles_per_s"):
         assert res[key] == res[key] and res[key] > 0, (key, res[key])  # measured (not NaN)
-    assert len(res["probe_latencies_s"]) == 2 and len(res["idle_probe_latencies_s"]) == 2
+    assert len(res["probe_latencies_s"]) == 2 and len(res["idle_probe_latencies_s"]) == 3
     assert "BENCH-OPERATOR" in proc.stdout
