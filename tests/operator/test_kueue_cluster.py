@@ -20,9 +20,7 @@ from hack.localcluster.kube import ApiError
 from sftjob_operator import queueing
 from tests.fixtures.cluster import wait_for
 
-from .test_integration import (RESUMABLE, apply, condition, crd, diagnose, example, example_ns,  # noqa: F401
-                               get_job, phase_is, pods_of, wait_job)
-from .test_validation import scoped_operator  # noqa: F401
+from .cluster_kit import RESUMABLE, apply, condition, diagnose, example, get_job, phase_is, pods_of, wait_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 KUEUE_API = "/apis/kueue.x-k8s.io/v1beta2"

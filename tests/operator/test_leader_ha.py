@@ -28,8 +28,7 @@ from tests.fixtures.cluster import wait_for
 from tests.chart.test_install import other_operators
 
 from .operator_proc import OperatorProcess
-from .test_integration import (RESUMABLE, Recorder, apply, checkpointed, crd, diagnose, example,  # noqa: F401
-                               example_ns, get_job, phase_is, pods_of, wait_job)
+from .cluster_kit import RESUMABLE, Recorder, apply, checkpointed, diagnose, example, phase_is, wait_job
 
 pytestmark = pytest.mark.cluster
 LEASE_S, RENEW_S, RETRY_S = 15.0, 10.0, 2.0

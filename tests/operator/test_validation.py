@@ -10,19 +10,9 @@ import pytest
 from sftjob_operator import api
 from tests.fixtures.cluster import wait_for
 
-from .operator_proc import OperatorProcess
-from .test_integration import apply, condition, crd, diagnose, example, example_ns, get_job, wait_job  # noqa: F401
+from .cluster_kit import apply, condition, diagnose, example, get_job, wait_job
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture
-def scoped_operator(cluster, crd, example_ns, tmp_path):  # noqa: F811 - crd is a fixture
-    """An operator that watches only this test's namespace."""
-    op = OperatorProcess(cluster.env, tmp_path / "operator.log", namespaces=[example_ns])
-    op.start()
-    yield op
-    op.stop()
 
 
 def minimal(name: str, train: str = "s3://sftjob-examples/data/train.parquet") -> dict:
@@ -107,7 +97,7 @@ INVALID = [
 ]
 
 
-def test_held_out_invalid_specs_are_refused_naming_the_field(cluster, crd, namespace):  # noqa: F811
+def test_held_out_invalid_specs_are_refused_naming_the_field(cluster, crd, namespace):
     failures = []
     for i, (what, overrides, expected) in enumerate(INVALID):
         res = apply(cluster, namespace, example(f"held-out-{i}", **overrides), check=False)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_integration import RESUMABLE, apply, checkpointed, crd, example, example_ns, wait_job  # noqa: F401
-from .test_validation import scoped_operator  # noqa: F401
+from .cluster_kit import RESUMABLE, apply, checkpointed, example, wait_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
