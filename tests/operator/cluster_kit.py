@@ -149,3 +149,14 @@ RESUMABLE = {"checkpoint.interval": 5, "data.valFiles": [], "training.testFreq":
 def checkpointed(step: int):
     return lambda job: job if job.get("status", {}).get("phase") == "Running" and \
         job["status"].get("progress", {}).get("lastCheckpointStep", 0) >= step else None
+
+
+def refusals(cluster, ns: str, cases: list[tuple[str, dict[str, Any], str]], prefix: str) -> list[str]:
+    """Apply each (what, overrides, expected) variant of the example; the ones the API server
+    accepted, or refused without `expected` (the field's name) in its message."""
+    failures = []
+    for i, (what, overrides, expected) in enumerate(cases):
+        res = apply(cluster, ns, example(f"{prefix}-{i}", **overrides), check=False)
+        if res.returncode == 0 or expected not in res.stderr:
+            failures.append(f"{what}: rc={res.returncode} stderr={res.stderr.strip()[:400]}")
+    return failures

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import copy
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sftjob_operator import builders, reconcile
 
 UID = "0f5c1a52-6a1e-4f0e-9d4e-3c1f7c8d2b10"
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 
 def job_body(spec_overrides: dict[str, Any] | None = None, status: dict[str, Any] | None = None,
@@ -46,13 +48,38 @@ def pods_for(body: dict[str, Any], attempt: int = 0, phase: str = "Running") -> 
     """The pods a launch would create, observed in `phase`."""
     job = builders.JobRef.from_body(body)
     spec = builders.parse_spec(body["spec"])
-    pods = builders.build_pods(job, spec, attempt)
+    return observe(builders.build_pods(job, spec, attempt), phase)
+
+
+def observe(pods: list[dict[str, Any]], phase: str = "Running") -> list[dict[str, Any]]:
+    """Copies of created pods as the API server shows them once scheduled (rank i on node-i)."""
+    pods = copy.deepcopy(pods)
     for i, p in enumerate(pods):
         p["spec"]["nodeName"] = f"node-{i}"
         p["status"] = {"phase": phase, "podIP": f"10.0.0.{i + 1}"}
         if phase == "Running":
             p["status"]["containerStatuses"] = [{"name": "trainer", "state": {"running": {}}}]
     return pods
+
+
+def at(seconds: float) -> datetime:
+    """The clock of the reconcile tests: T0 plus seconds."""
+    return T0 + timedelta(seconds=seconds)
+
+
+def running_job(**spec):
+    """A job whose attempt-0 gang is launched and running, and its pods."""
+    body = job_body(spec)
+    plan = reconcile.plan(body, [], at(0))
+    body = apply(body, plan)
+    pods = pods_for(body)
+    plan = reconcile.plan(body, pods, at(5))
+    assert body["status"]["phase"] == "Pending" and plan.status["phase"] == "Running"
+    return apply(body, plan), pods
+
+
+def cond(status: dict[str, Any], ctype: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == ctype)
 
 
 def terminated(pod: dict[str, Any], exit_code: int, message: str = "", reason: str = "Error") -> dict[str, Any]:

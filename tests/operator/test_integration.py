@@ -18,7 +18,7 @@ import pytest
 from tests.fixtures.cluster import wait_for
 
 from .cluster_kit import (EXAMPLE, RESUMABLE, Chaos, Recorder, apply, checkpointed, condition, diagnose, example,
-                          get_job, live, phase_is, pods_of, wait_job)
+                          get_job, live, phase_is, pods_of, refusals, wait_job)
 
 pytestmark = pytest.mark.cluster
 
@@ -223,11 +223,7 @@ INVALID = [
 
 def test_invalid_specs_are_rejected_naming_the_field(cluster, crd, namespace):
     """Acceptance 5: kubectl apply refuses each invalid SFTJob with the field's name."""
-    failures = []
-    for i, (what, overrides, expected) in enumerate(INVALID):
-        res = apply(cluster, namespace, example(f"invalid-{i}", **overrides), check=False)
-        if res.returncode == 0 or expected not in res.stderr:
-            failures.append(f"{what}: rc={res.returncode} stderr={res.stderr.strip()[:400]}")
+    failures = refusals(cluster, namespace, INVALID, "invalid")
     bad_name = example("x" * 60)
     res = apply(cluster, namespace, bad_name, check=False)
     if res.returncode == 0 or "metadata.name" not in res.stderr:

@@ -4,23 +4,15 @@ quota is released. The real Kueue is in test_kueue_cluster.py."""
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timedelta, timezone
 
 import pytest
 
 from sftjob_operator import failure_policy as fp
 from sftjob_operator import queueing, reconcile
 
-from .op_testkit import UID, apply, job_body, terminated
+from .op_testkit import UID, apply, at, job_body, observe, terminated
 
 pytestmark = pytest.mark.unit
-T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
-
-
-def at(seconds: float) -> datetime:
-    return T0 + timedelta(seconds=seconds)
-
-
 def queued_body(**spec):
     body = job_body(spec)
     body["metadata"]["labels"] = {queueing.QUEUE_LABEL: "team-a"}
@@ -50,13 +42,7 @@ def launched(body, attempt=0):
 
 def observed(plan, phase="Running"):
     """The pods the plan launched, as pods_for() observes them (same node names, status)."""
-    pods = copy.deepcopy(plan.launch)
-    for i, p in enumerate(pods):
-        p["spec"]["nodeName"] = f"node-{i}"
-        p["status"] = {"phase": phase, "podIP": f"10.0.0.{i + 1}"}
-        if phase == "Running":
-            p["status"]["containerStatuses"] = [{"name": "trainer", "state": {"running": {}}}]
-    return pods
+    return observe(plan.launch, phase)
 
 
 def cond(status, ctype):

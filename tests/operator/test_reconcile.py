@@ -1,36 +1,12 @@
 """The reconcile decision, driven through whole lifecycles without a cluster."""
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
-
 import pytest
-from .op_testkit import apply, job_body, pods_for, terminated
+from .op_testkit import apply, at, cond, job_body, pods_for, running_job, terminated
 
 from sftjob_operator import reconcile
 
 pytestmark = pytest.mark.unit
-T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
-
-
-def at(seconds: float) -> datetime:
-    return T0 + timedelta(seconds=seconds)
-
-
-def running_job(**spec):
-    """A job whose attempt-0 gang is launched and running."""
-    body = job_body(spec)
-    plan = reconcile.plan(body, [], at(0))
-    body = apply(body, plan)
-    pods = pods_for(body)
-    plan = reconcile.plan(body, pods, at(5))
-    assert body["status"]["phase"] == "Pending" and plan.status["phase"] == "Running"
-    return apply(body, plan), pods
-
-
-def cond(status, ctype):
-    return next(c for c in status["conditions"] if c["type"] == ctype)
-
-
 def test_new_job_launches_gang_once():
     body = job_body()
     plan = reconcile.plan(body, [], at(0))

@@ -3,8 +3,7 @@ charged to the wrong budget, or pointed at an output that does not exist."""
 from __future__ import annotations
 
 import pytest
-from .op_testkit import apply, job_body, pods_for, terminated
-from .test_reconcile import at, cond, running_job
+from .op_testkit import apply, at, cond, job_body, pods_for, running_job, terminated
 
 from sftjob_operator import builders, reconcile, rejections
 

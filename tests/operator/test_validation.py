@@ -10,7 +10,7 @@ import pytest
 from sftjob_operator import api
 from tests.fixtures.cluster import wait_for
 
-from .cluster_kit import apply, condition, diagnose, example, get_job, wait_job
+from .cluster_kit import apply, condition, diagnose, example, get_job, refusals, wait_job
 
 pytestmark = pytest.mark.cluster
 
@@ -98,11 +98,7 @@ INVALID = [
 
 
 def test_held_out_invalid_specs_are_refused_naming_the_field(cluster, crd, namespace):
-    failures = []
-    for i, (what, overrides, expected) in enumerate(INVALID):
-        res = apply(cluster, namespace, example(f"held-out-{i}", **overrides), check=False)
-        if res.returncode == 0 or expected not in res.stderr:
-            failures.append(f"{what}: rc={res.returncode} stderr={res.stderr.strip()[:400]}")
+    failures = refusals(cluster, namespace, INVALID, "held-out")
     assert not failures, "\n".join(failures)
     # The valid neighbours of those cases are accepted.
     ok = example("held-out-ok", **{
