@@ -2,20 +2,21 @@
 
 A gang either keeps running, succeeds (every rank exited 0), fails for good, or must be
 restarted as a whole. Restarts have two causes counted apart: *preemption* (the pod was
-taken away or signalled: eviction, DisruptionTarget, Kueue's TerminationTarget, node loss,
-deletion, exit >= 128, the trainer's "Preempted" message), which spends
-`runPolicy.preemptionLimit`, and *failure* (the trainer exited 1 or 3..127, or was
-OOM-killed), which spends `runPolicy.backoffLimit`. A pod gated by Kueue waits in its queue.
+taken away or stopped: eviction, DisruptionTarget, Kueue's TerminationTarget, node loss,
+deletion, death by a stop signal (exit 128+N for SIGKILL, SIGTERM, SIGINT, SIGHUP), the
+trainer's "Preempted" message), which spends `runPolicy.preemptionLimit`, and *failure*
+(the trainer exited 1 or 3..127, was OOM-killed, or crashed on a signal of its own:
+SIGSEGV, SIGABRT, SIGBUS, ...), which spends `runPolicy.backoffLimit`. A pod gated by
+Kueue waits in its queue.
 
 A deterministic error (exit 2, or the trainer's InvalidConfig/InvalidData message) would
 fail the same way on every attempt, so it fails the job at once without spending the
 budget: retrying cannot help, and a human has to change the spec or the data.
 
-When one rank is taken away from outside (deleted, evicted, its node lost, SIGTERM) its
-peers lose their collective and exit with a generic error a moment later. Such a generic
-failure beside an outside preemption is the preemption's consequence and is counted as a
-preemption; a deterministic failure still wins over everything, and an exit >= 128 with no
-outside evidence (torchrun killing its workers after a peer crashed) is no such evidence.
+When one rank is taken away (deleted, evicted, its node lost, SIGTERM, SIGKILL) its peers
+lose their collective and exit with a generic error a moment later. Such a generic failure
+beside a preemption is the preemption's consequence and is counted as that preemption; a
+deterministic failure still wins over everything.
 
 Exit codes and the termination message follow docs/trainer-contract.md.
 """
@@ -34,6 +35,10 @@ MAX_RESTART_BACKOFF_S = 300.0
 TRAINER_FAILURE_REASONS = {"InvalidConfig", "InvalidData", "TrainingError"}
 TRAINER_PERMANENT_REASONS = {"InvalidConfig", "InvalidData"}
 PERMANENT_EXIT_CODE = 2   # "invalid config or data; retrying cannot help"
+# Signals that stop a process from outside (the kubelet, a drain, an admin, the kernel's
+# OOM killer outside any cgroup limit); any other signal is the process crashing itself.
+STOP_SIGNALS = {1: "SIGHUP", 2: "SIGINT", 9: "SIGKILL", 15: "SIGTERM"}
+CRASH_SIGNALS = {4: "SIGILL", 5: "SIGTRAP", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 11: "SIGSEGV", 31: "SIGSYS"}
 TRAINER_PREEMPTED_REASON = "Preempted"
 # pod.status.reason values set when the pod itself was taken away, not when it failed.
 PREEMPTED_POD_REASONS = {"Evicted", "NodeLost", "Shutdown", "NodeShutdown", "Terminated",
@@ -61,11 +66,6 @@ class PodOutcome:
     message: str = ""
     exit_code: int | None = None
     permanent: bool = False   # FAILED only: the same spec and data would fail again
-
-    @property
-    def taken_from_outside(self) -> bool:
-        """A preemption with evidence that something outside the gang stopped this pod."""
-        return self.state is State.PREEMPTED and self.reason != c.REASON_SIGNALLED
 
 
 def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
@@ -147,9 +147,15 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
         if term and term.get("reason") == "OOMKilled":
             # Killed by the kernel for exceeding its memory limit: it would happen again.
             return PodOutcome(State.FAILED, "OOMKilled", "the trainer exceeded its memory limit", exit_code)
+        if exit_code is not None and exit_code > 128 and (exit_code - 128) not in STOP_SIGNALS:
+            sig = exit_code - 128
+            return PodOutcome(State.FAILED, c.REASON_CRASHED,
+                              f"the trainer crashed on signal {sig} ({CRASH_SIGNALS.get(sig, 'not a stop signal')})",
+                              exit_code)
         if exit_code is not None and exit_code >= 128:
+            sig = exit_code - 128
             return PodOutcome(State.PREEMPTED, c.REASON_SIGNALLED,
-                              f"the trainer was killed by signal {exit_code - 128}", exit_code)
+                              f"the trainer was stopped by signal {sig} ({STOP_SIGNALS.get(sig, 'unknown')})", exit_code)
         if exit_code is None:
             return PodOutcome(State.PREEMPTED, status.get("reason") or c.REASON_POD_LOST,
                               status.get("message", "the pod failed without a container exit code"), None)
@@ -203,12 +209,11 @@ def judge_gang(outcomes: dict[int, PodOutcome | None], nodes: int) -> GangVerdic
         return GangVerdict(Verdict.FAILED, o.reason, f"rank {rank}: {o.message}")
     lost = [(r, o) for r, o in ranked if o is None or o.state is State.PREEMPTED]
     lost += [(r, None) for r in range(nodes) if r not in outcomes]
-    outside = [(r, o) for r, o in lost if o is None or o.taken_from_outside]
-    if failed and not outside:
+    if failed and not lost:
         rank, o = failed[0]
         return GangVerdict(Verdict.RESTART_FAILED, o.reason, f"rank {rank}: {o.message}")
     if lost:
-        rank, o = (outside or lost)[0]
+        rank, o = lost[0]
         reason = o.reason if o else c.REASON_POD_DELETED
         message = f"rank {rank}: {o.message if o else 'the pod disappeared'}"
         if failed:

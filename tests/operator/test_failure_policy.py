@@ -40,6 +40,8 @@ def _disrupted():
     (terminated(POD, 143), fp.State.PREEMPTED, "Signalled"),
     (terminated(POD, 137), fp.State.PREEMPTED, "Signalled"),
     (terminated(POD, 130), fp.State.PREEMPTED, "Signalled"),
+    (terminated(POD, 139), fp.State.FAILED, "Crashed"),       # SIGSEGV: the trainer's own crash
+    (terminated(POD, 134), fp.State.FAILED, "Crashed"),       # SIGABRT (e.g. an NCCL abort)
     (terminated(POD, 137, reason="OOMKilled"), fp.State.FAILED, "OOMKilled"),
     (_with(phase="Failed", reason="Evicted", message="low memory"), fp.State.PREEMPTED, "Evicted"),
     (_with(phase="Failed", reason="NodeLost"), fp.State.PREEMPTED, "NodeLost"),
@@ -69,6 +71,7 @@ R, S, P, F = (fp.PodOutcome(fp.State.RUNNING), fp.PodOutcome(fp.State.SUCCEEDED)
               fp.PodOutcome(fp.State.PREEMPTED, "Evicted", "x"), fp.PodOutcome(fp.State.FAILED, "TrainingError", "y"))
 BAD = fp.classify_pod(terminated(POD, 2, "InvalidData: column 'prompt' missing"))
 SIG = fp.classify_pod(terminated(POD, 137))
+SEGV = fp.classify_pod(terminated(POD, 139))
 
 
 @pytest.mark.parametrize("outcomes, verdict, reason", [
@@ -81,9 +84,11 @@ SIG = fp.classify_pod(terminated(POD, 137))
     # A peer's generic failure after an eviction is the eviction's doing: one preemption.
     ({0: P, 1: F}, fp.Verdict.RESTART_PREEMPTED, "Evicted"),
     ({0: F}, fp.Verdict.RESTART_PREEMPTED, "PodDeleted"),
-    # ... but an exit >= 128 alone is no evidence of an outside hand (torchrun kills its
-    # workers after a peer crashed), and a deterministic failure wins over everything.
-    ({0: SIG, 1: F}, fp.Verdict.RESTART_FAILED, "TrainingError"),
+    # A rank SIGKILLed (by an admin, a chaos test, the node's OOM killer) takes its peer down
+    # the same way; a rank crashing on a signal of its own is a failure; and a
+    # deterministic failure wins over everything.
+    ({0: SIG, 1: F}, fp.Verdict.RESTART_PREEMPTED, "Signalled"),
+    ({0: SEGV, 1: F}, fp.Verdict.RESTART_FAILED, "Crashed"),
     ({0: P, 1: BAD}, fp.Verdict.FAILED, "InvalidData"),
     ({0: BAD, 1: R}, fp.Verdict.FAILED, "InvalidData"),
     ({0: R, 1: fp.PodOutcome(fp.State.PENDING, "ImagePullBackOff")}, fp.Verdict.STARTING, ""),

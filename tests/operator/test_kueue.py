@@ -125,7 +125,7 @@ def test_kueue_eviction_is_a_preemption_and_the_next_attempt_is_a_new_group():
              "message": "Preempted to accommodate a workload (UID: x) due to prioritization in the ClusterQueue"})
         evicted.append(q)
     out = fp.classify_pod(evicted[1])
-    assert out.state is fp.State.PREEMPTED and out.reason == "WorkloadEvictedDueToPreempted" and out.taken_from_outside
+    assert out.state is fp.State.PREEMPTED and out.reason == "WorkloadEvictedDueToPreempted"
     plan = reconcile.plan(body, evicted, at(60))
     assert plan.status["phase"] == "Restarting"
     assert plan.status["restarts"] == {"failures": 0, "preemptions": 1, "total": 1}

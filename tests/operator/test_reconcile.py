@@ -88,7 +88,7 @@ def test_success_when_every_rank_exits_zero():
 
 def test_failure_spends_backoff_then_fails_with_trainer_reason():
     body, pods = running_job()  # backoffLimit 1
-    bad = [terminated(pods[0], 1, "TrainingError: loss is nan"), terminated(pods[1], 143)]
+    bad = [terminated(pods[0], 1, "TrainingError: loss is nan"), pods[1]]
     plan = reconcile.plan(body, bad, at(30))
     assert plan.status["phase"] == "Restarting" and plan.restart_cause == "failure"
     assert plan.status["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
