@@ -43,7 +43,15 @@ KINDS: dict[str, tuple[str | None, str]] = {
     "operator-kill": (None, "no restart; the job carries on"),
     "operator-kill-all": (None, "no restart; the job carries on"),
     "minio-outage": (None, "no restart; the checkpoint upload is retried"),
+    # Not in the default set: a deterministic reproduction of a race (see OPT_IN).
+    "sigkill-unwatched": (PREEMPTION, "exit 137 while no operator runs: 1 preemption"),
 }
+# Kinds `make chaos` leaves out unless asked for with --kinds. sigkill-unwatched scales the
+# operator's Deployment to 0, SIGKILLs a rank, waits until its peer has died of the broken
+# collective (exit 1), then scales the operator back: the operator then judges a gang with
+# one rank signalled (137) and one failed (1), which on a busy machine also happens by chance
+# after plain trainer-sigkill faults.
+OPT_IN = {"sigkill-unwatched"}
 RESTARTING = {k for k, (cause, _) in KINDS.items() if cause}
 
 
@@ -221,6 +229,32 @@ class Injector:
         """As many operator pods running as before the kill, none of them a killed one."""
         running = {p["metadata"]["name"] for p in self.operators_running()}
         return len(running) >= len(before) and not running & set(victims)
+
+    def _sigkill_unwatched(self, f: Fault, attempt: int) -> None:
+        deps = self.kube.get(f"/apis/apps/v1/namespaces/{self.system_ns}/deployments",
+                             labelSelector=f"app.kubernetes.io/instance={self.release}")["items"]
+        dep = deps[0]["metadata"]["name"]
+        path = f"/apis/apps/v1/namespaces/{self.system_ns}/deployments/{dep}/scale"
+        replicas = self.kube.get(path)["spec"].get("replicas", 1)
+        pod = self._pick_training_pod(attempt)
+        self.kube.merge_patch(path, {"spec": {"replicas": 0}})
+        try:
+            # Failed pods of earlier kills (node loss) stay as objects: wait for no running one.
+            wait_for(lambda: not [p for p in self.operator_pods()
+                                  if (p.get("status") or {}).get("phase") in ("Pending", "Running")],
+                     120, "the operator pods to stop")
+            f.t = time.time()
+            killed = sigkill_pod(self.cfg, pod)
+            peers = [p for p in self.job_pods(attempt) if p["metadata"]["name"] != pod["metadata"]["name"]]
+            time.sleep(2.0)
+            wait_for(lambda: all((self.kube.get(f"/api/v1/namespaces/{self.ns}/pods/{p['metadata']['name']}")
+                                  .get("status") or {}).get("phase") in ("Failed", "Succeeded") for p in peers),
+                     120, "the peers to die of the lost rank")
+        finally:
+            self.kube.merge_patch(path, {"spec": {"replicas": replicas}})
+        f.target = pod["metadata"]["name"]
+        f.detail = (f"operator scaled to 0, SIGKILL pids {killed[:3]}, peers ended, operator scaled back to "
+                    f"{replicas}")
 
     def _minio_outage(self, f: Fault, attempt: int) -> None:
         f.t = time.time()

@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
 from hack import localcluster  # noqa: E402
 from hack.localcluster.kube import ApiError, Kube  # noqa: E402
 
-from .faults import KINDS, PREEMPTION, RESTARTING, Fault, Injector, minio_live, minio_start, wait_for  # noqa: E402
+from .faults import KINDS, OPT_IN, PREEMPTION, RESTARTING, Fault, Injector, minio_live, minio_start, wait_for  # noqa: E402
 from .monitor import Monitor  # noqa: E402
 from .weights import compare_dirs, download  # noqa: E402
 
@@ -183,8 +183,9 @@ def delete_jobs(ctx: Ctx, keep: str | None = None) -> None:
                 raise
     wait_for(lambda: all(j["metadata"]["name"] == keep for j in ctx.kube.get(JOBS.format(ns=ns))["items"]), 120,
              "old chaos jobs to go")
-    wait_for(lambda: not ctx.kube.get(f"/api/v1/namespaces/{ns}/pods",
-                                      labelSelector="app.kubernetes.io/managed-by=sftjob-operator")["items"],
+    wait_for(lambda: all(p["metadata"]["labels"].get("sftjob.io/job-name") == keep
+                         for p in ctx.kube.get(f"/api/v1/namespaces/{ns}/pods",
+                                               labelSelector="app.kubernetes.io/managed-by=sftjob-operator")["items"]),
              180, "old chaos pods to go")
 
 
@@ -395,7 +396,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hack.chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=int(os.environ.get("CHAOS_SEED", "1")))
     p.add_argument("--faults", type=int, default=12, help="faults to inject (default 12)")
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, from {', '.join(KINDS)}")
+    p.add_argument("--kinds", default=",".join(k for k in KINDS if k not in OPT_IN),
+                   help=f"comma-separated, from {', '.join(KINDS)} (default: all but {', '.join(sorted(OPT_IN))})")
     p.add_argument("--min-faults", type=int, default=None, help="fail below this many faults (default --faults)")
     p.add_argument("--min-kinds", type=int, default=4, help="fail below this many kinds injected (default 4)")
     p.add_argument("--interval", type=int, default=2, help="checkpoint.interval of the job (steps)")
