@@ -104,10 +104,11 @@ def test_short_chaos_run(cluster, tmp_path):
     """4 faults of 3 kinds: the job succeeds with the reference run's weights bit for bit,
     no committed checkpoint is lost and status.restarts equals the faults by cause.
 
-    Known operator bug this catches (a race, so not every run): a SIGKILLed rank (exit 137,
-    a preemption) takes its peer down with a gloo error (exit 1, TrainingError) before the
-    operator looks, and failure_policy.judge_gang lets the peer's failure win, so the
-    restart is counted as a failure (`trainer-sigkill ... failures +1 MISMATCH`)."""
+    It caught an operator miscount (fixed in d1943ff, failure_policy): a SIGKILLed rank
+    (exit 137) takes its peer down with a gloo error (exit 1) before the operator looks, and
+    the peer's failure used to win, so the restart was counted as a failure
+    (`trainer-sigkill ... failures +1 MISMATCH`). The opt-in fault kind `sigkill-unwatched`
+    reproduces that judgement every time."""
     tag = f"chaos-t-{uuid.uuid4().hex[:5]}"
     ns, system_ns = tag, f"{tag}-sys"
     cmd = [sys.executable, "-m", "hack.chaos", "--seed", "5", "--faults", "4", "--min-kinds", "3",
