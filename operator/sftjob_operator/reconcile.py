@@ -32,7 +32,9 @@ from . import ttl
 from .rejections import Rejection, explain_waiting
 
 TERMINAL = ("Succeeded", "Failed")
-PROGRESS_INTERVAL_S = 5.0    # how often a running job's progress is refreshed
+# A running job is looked at again at least this often; its progress arrives sooner, as the
+# background scraper reads it (progress.Scraper asks for a pass whenever a reading changes).
+PROGRESS_INTERVAL_S = 15.0
 STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
 STALE_POLL_S = 2.0           # while old pods finish terminating
 FORCE_DELETE_AFTER_S = 30.0  # past its grace period, a pod on a NotReady node is force-deleted
