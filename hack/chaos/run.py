@@ -402,7 +402,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-kinds", type=int, default=4, help="fail below this many kinds injected (default 4)")
     p.add_argument("--interval", type=int, default=2, help="checkpoint.interval of the job (steps)")
     p.add_argument("--keep", type=int, default=2, help="checkpoint.keep of the job")
-    p.add_argument("--steps", type=int, default=0, help="training steps (default: interval x (faults + 4))")
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: interval x (2 x faults + 4))")
     p.add_argument("--minio-outage", type=float, default=6.0, help="seconds MinIO stays stopped")
     p.add_argument("--namespace", default="sftjob-chaos")
     p.add_argument("--system-namespace", default="sftjob-chaos-system")
@@ -421,7 +421,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown fault kinds {bad}; known: {', '.join(KINDS)}")
     args.min_faults = args.faults if args.min_faults is None else args.min_faults
-    args.steps = args.steps or args.interval * (args.faults + 4)
+    # Faults that do not stop training (operator kills, MinIO) let it run on while their
+    # effect is awaited: about 3 steps per fault on this machine, so twice the faults in intervals.
+    args.steps = args.steps or args.interval * (2 * args.faults + 4)
     args.workdir = args.workdir.resolve()
     return args
 
