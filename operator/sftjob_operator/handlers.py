@@ -228,6 +228,10 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str, from_handler: bo
             rt.enqueue(key, 0.2)
             return
         except ApiException as err:
+            if err.status == 404 and await rt.kube.get_job(namespace, name) is None:
+                # The job was deleted during the pass (its status write found nothing): done.
+                rt.phases.set(key, None)
+                return
             metrics.RECONCILE_ERRORS.labels(kind=f"api{err.status}").inc()
             if from_handler:
                 raise kopf.TemporaryError(f"API error {err.status}: {err.reason}", delay=ERROR_RETRY_S) from None
