@@ -392,7 +392,10 @@ class PodRunner(threading.Thread):
                 if not os.path.exists(src):
                     os.makedirs(src)
             mounts.append({"src": src, "dst": vm["mountPath"], "ro": bool(vm.get("readOnly"))})
+        # The checkout (its .venv runs the container) must stay visible even under a volume
+        # mounted over one of its parents, e.g. an emptyDir at /tmp for a clone in /tmp.
         shim_spec = {"netns": f"/run/netns/{self.netns}", "hostname": self.hostname, "mounts": mounts,
+                     "keep": [str(C.REPO)],
                      "cwd": spec.get("workingDir") or "/", "argv": argv, "env": env,
                      "termlog_host": c.termlog, "created_log": str(self.cfg.state_dir / "created-mountpoints")}
         spec_path = self.run_dir / f"{c.name}-{c.restarts}.json"

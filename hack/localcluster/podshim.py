@@ -64,16 +64,30 @@ def main():
             pass
         socket.sethostname(spec["hostname"])
         created = []
+        # Every source is opened before anything is mounted, and mounted through its
+        # descriptor: a volume mounted over a parent of a later source (an emptyDir at /tmp,
+        # with the cluster's state under /tmp/...) would otherwise hide it.
+        held = {p: os.open(p, os.O_PATH) for p in {m["src"] for m in spec["mounts"]} | set(spec.get("keep", []))}
         try:
             for m in sorted(spec["mounts"], key=lambda m: m["dst"].rstrip("/").count("/")):
                 ensure_target(m["src"], m["dst"], created)
-                mount(m["src"], m["dst"], None, MS_BIND | MS_REC)
+                mount(f"/proc/self/fd/{held[m['src']]}", m["dst"], None, MS_BIND | MS_REC)
                 if m.get("ro"):
                     mount("none", m["dst"], None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+            for path in spec.get("keep", []):  # put back what a volume now hides
+                kept = f"/proc/self/fd/{held[path]}"
+                if os.path.exists(path) and os.path.samestat(os.stat(kept), os.stat(path)):
+                    continue
+                # Its mount point is made inside the volume that hid it (and goes with it), so it
+                # is not recorded for `cluster-down`, which must never touch the checkout.
+                ensure_target(kept, path, [])
+                mount(kept, path, None, MS_BIND | MS_REC)
         finally:
             if created:
                 with open(spec["created_log"], "a") as f:
                     f.write("".join(p + "\n" for p in created))
+        for fd in held.values():
+            os.close(fd)
         os.chdir(spec["cwd"])
         os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
     except Exception as e:  # the container "could not run": say why, like a runtime would
