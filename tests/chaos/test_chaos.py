@@ -143,7 +143,10 @@ def test_bench_operator_harness(cluster, tmp_path):
     res = json.loads(out.read_text())
     assert res["pods_seen"] == res["pods_expected"] == 100, res
     assert res["phases"].get("Running") == 50, res["phases"]
-    for key in ("latency_p50_s", "latency_p99_s", "peak_rss_mb", "steady_state_s", "reconciles_per_s"):
+    for key in ("latency_p50_s", "latency_p99_s", "peak_rss_mb", "steady_state_s"):
         assert res[key] == res[key] and res[key] > 0, (key, res[key])  # measured (not NaN)
+    # An idle steady state may well see no pass in a 5 s window (a running job's periodic
+    # pass comes every 15 s); measured, it is a number.
+    assert res["reconciles_per_s"] == res["reconciles_per_s"] and res["reconciles_per_s"] >= 0
     assert len(res["probe_latencies_s"]) == 2 and len(res["idle_probe_latencies_s"]) == 3
     assert "BENCH-OPERATOR" in proc.stdout
