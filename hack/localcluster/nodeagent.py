@@ -395,7 +395,8 @@ class PodRunner(threading.Thread):
         # The checkout (its .venv runs the container) must stay visible even under a volume
         # mounted over one of its parents, e.g. an emptyDir at /tmp for a clone in /tmp.
         shim_spec = {"netns": f"/run/netns/{self.netns}", "hostname": self.hostname, "mounts": mounts,
-                     "keep": [str(C.REPO)],
+                     "keep": [str(C.REPO)] + ([] if self.cfg.state_dir.resolve().is_relative_to(C.REPO)
+                                              else [str(self.cfg.state_dir)]),
                      "cwd": spec.get("workingDir") or "/", "argv": argv, "env": env,
                      "termlog_host": c.termlog, "created_log": str(self.cfg.state_dir / "created-mountpoints")}
         spec_path = self.run_dir / f"{c.name}-{c.restarts}.json"

@@ -49,6 +49,32 @@ def ensure_target(src, dst, created):
     created.append(dst)
 
 
+STASH = "/run/sftjob-podshim"
+
+
+def stash(paths):
+    """Bind each path under a tmpfs private to this pod's mount namespace; path -> stash."""
+    if not paths:
+        return {}
+    os.makedirs(STASH, exist_ok=True)
+    mount("tmpfs", STASH, "tmpfs", 0)
+    moved = {}
+    for i, path in enumerate(paths):
+        d = f"{STASH}/{i}"
+        os.mkdir(d)
+        mount(path, d, None, MS_BIND | MS_REC)
+        moved[path] = d
+    return moved
+
+
+def via(moved, path):
+    """`path` reached through the stash, when it lies in a stashed tree."""
+    for root, d in moved.items():
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            return d + path[len(root.rstrip("/")):]
+    return path
+
+
 def main():
     spec = json.load(open(sys.argv[1]))
     try:
@@ -64,18 +90,19 @@ def main():
             pass
         socket.sethostname(spec["hostname"])
         created = []
-        # Every source is opened before anything is mounted, and mounted through its
-        # descriptor: a volume mounted over a parent of a later source (an emptyDir at /tmp,
-        # with the cluster's state under /tmp/...) would otherwise hide it.
-        held = {p: os.open(p, os.O_PATH) for p in {m["src"] for m in spec["mounts"]} | set(spec.get("keep", []))}
+        # The checkout (and the cluster's state, where volume sources live) is bound to a
+        # private stash first and everything is mounted from there: a volume mounted over one
+        # of its parents (an emptyDir at /tmp, for a clone under /tmp) would otherwise hide
+        # the sources of later mounts and the .venv the container runs from.
+        moved = stash(spec.get("keep", []))
         try:
             for m in sorted(spec["mounts"], key=lambda m: m["dst"].rstrip("/").count("/")):
-                ensure_target(m["src"], m["dst"], created)
-                mount(f"/proc/self/fd/{held[m['src']]}", m["dst"], None, MS_BIND | MS_REC)
+                src = via(moved, m["src"])
+                ensure_target(src, m["dst"], created)
+                mount(src, m["dst"], None, MS_BIND | MS_REC)
                 if m.get("ro"):
                     mount("none", m["dst"], None, MS_BIND | MS_REMOUNT | MS_RDONLY)
-            for path in spec.get("keep", []):  # put back what a volume now hides
-                kept = f"/proc/self/fd/{held[path]}"
+            for path, kept in moved.items():  # put back what a volume now hides
                 if os.path.exists(path) and os.path.samestat(os.stat(kept), os.stat(path)):
                     continue
                 # Its mount point is made inside the volume that hid it (and goes with it), so it
@@ -86,8 +113,6 @@ def main():
             if created:
                 with open(spec["created_log"], "a") as f:
                     f.write("".join(p + "\n" for p in created))
-        for fd in held.values():
-            os.close(fd)
         os.chdir(spec["cwd"])
         os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
     except Exception as e:  # the container "could not run": say why, like a runtime would
