@@ -54,6 +54,20 @@ def prepare(work: Path, examples: int) -> tuple[Path, Path]:
     return data, model
 
 
+def no_cuda_exit(tool: str, what: str, allow: bool, how_to_skip: str) -> int | None:
+    """Without CUDA: the exit status (2, loudly; 0 when skipping was asked for); None with it."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if allow:
+        print(f"{tool}: SKIPPED on purpose: no CUDA device on this machine, nothing was {what}")
+        return 0
+    print(f"{tool}: FAILED: no CUDA device on this machine, nothing was {what} ({how_to_skip} to skip on purpose)",
+          file=sys.stderr)
+    return 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=12)
@@ -68,13 +82,9 @@ def main() -> int:
 
     import torch
 
-    if not torch.cuda.is_available():
-        if args.allow_no_gpu:
-            print("bench-gpu: SKIPPED on purpose: no CUDA device on this machine, nothing was measured")
-            return 0
-        print("bench-gpu: FAILED: no CUDA device on this machine, nothing was measured "
-              "(--allow-no-gpu to skip on purpose)", file=sys.stderr)
-        return 2
+    refused = no_cuda_exit("bench-gpu", "measured", args.allow_no_gpu, "--allow-no-gpu")
+    if refused is not None:
+        return refused
     assert args.steps * args.global_batch <= args.examples, "not enough examples for the steps asked"
     args.work.mkdir(parents=True, exist_ok=True)
     data, model = prepare(args.work, args.examples)

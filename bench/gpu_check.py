@@ -213,13 +213,11 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        if args.allow_no_gpu:
-            print("gpu-check: SKIPPED on purpose: no CUDA device on this machine, nothing was checked")
-            return 0
-        print("gpu-check: FAILED: no CUDA device on this machine, nothing was checked "
-              "(GPU_CHECK_SKIP=1 / --allow-no-gpu to skip on purpose)", file=sys.stderr)
-        return 2
+    from bench_gpu import no_cuda_exit  # bench/ is this script's directory
+
+    refused = no_cuda_exit("gpu-check", "checked", args.allow_no_gpu, "GPU_CHECK_SKIP=1 / --allow-no-gpu")
+    if refused is not None:
+        return refused
     args.work.mkdir(parents=True, exist_ok=True)
     t_all, failed = time.time(), []
     for name in args.only.split(","):

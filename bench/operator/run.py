@@ -33,13 +33,11 @@ import math
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,6 +51,7 @@ if str(REPO) not in sys.path:
 
 from hack import localcluster  # noqa: E402
 from hack.localcluster.kube import ApiError, Kube  # noqa: E402
+from hack.localcluster.operator_proc import OperatorProcess  # noqa: E402
 
 JOBS = "/apis/sftjob.io/v1alpha1/namespaces/{ns}/sftjobs"
 CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
@@ -65,12 +64,6 @@ def say(msg: str) -> None:
     print(f"[bench-operator {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -81,33 +74,16 @@ def pct(xs: list[float], q: float) -> float:
 
 # ------------------------------------------------------------------------------ the operator
 
-class Operator:
+class Operator(OperatorProcess):
+    """The operator process of the shared harness, plus RSS sampling and parsed metrics."""
+
     def __init__(self, env: dict[str, str], ns: str, log_path: Path):
-        self.env, self.ns, self.log_path = env, ns, log_path
-        self.metrics_port, self.liveness_port = free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
+        super().__init__(env, log_path, namespaces=[ns], live_timeout=90)
         self.rss_samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
 
     def start(self) -> None:
-        log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sftjob_operator.cli", "--namespace", self.ns, "--watch-timeout", "120",
-             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port)],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"operator exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise SystemExit(f"operator not live after 90 s:\n{self.tail()}")
+        super().start()
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
@@ -130,12 +106,10 @@ class Operator:
         except OSError:
             return 0.0
 
-    def metrics(self) -> dict[str, float]:
+    def samples(self) -> dict[str, float]:
         """Every sample of /metrics as {'name{labels}': value}."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
         out = {}
-        for line in text.splitlines():
+        for line in self.metrics().splitlines():
             if line and not line.startswith("#"):
                 key, _, value = line.rpartition(" ")
                 try:
@@ -146,16 +120,8 @@ class Operator:
 
     def stop(self) -> None:
         self._stop.set()
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().stop()
 
-    def tail(self, n: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
 
 
 def msum(m: dict[str, float], name: str, **labels: str) -> float:
@@ -413,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         while kube.get(f"/api/v1/namespaces/{ns}/pods", labelSelector="sftjob.io/job-name=probe-idle")["items"]:
             time.sleep(0.3)
         time.sleep(3)
-        m0 = op.metrics()
+        m0 = op.samples()
         cpu0 = op.cpu_seconds()
         log_offset = op.log_path.stat().st_size  # errors are counted from here: the scale run
 
@@ -478,12 +444,12 @@ def main(argv: list[str] | None = None) -> int:
             f"no steady state within {args.settle_timeout:.0f}s: phases {last_ph}")
 
         # -- load at steady state ----------------------------------------------------------
-        ma, ca, ta = op.metrics(), op.cpu_seconds(), time.time()
+        ma, ca, ta = op.samples(), op.cpu_seconds(), time.time()
         inflight = []
         while time.time() < ta + args.observe:
             inflight.append(syn_sent(METRICS_PORT))
             time.sleep(0.5)
-        mb, cb, tb = op.metrics(), op.cpu_seconds(), time.time()
+        mb, cb, tb = op.samples(), op.cpu_seconds(), time.time()
         dt = tb - ta
         rec_rate = (msum(mb, "sftjob_operator_reconciles_total") - msum(ma, "sftjob_operator_reconciles_total")) / dt
         cpu_pct = 100 * (cb - ca) / dt
@@ -505,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(f"{x:.2f}s" for x in probe_lat))
 
         # -- the end -------------------------------------------------------------------------
-        m_end = op.metrics()
+        m_end = op.samples()
         hwm_mb = op.status_kb("VmHWM") / 1024
         rec_errors = msum(m_end, "sftjob_operator_reconcile_errors_total") - msum(m0, "sftjob_operator_reconcile_errors_total")
         with open(op.log_path, "rb") as fh:

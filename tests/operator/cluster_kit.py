@@ -13,7 +13,7 @@ import yaml
 
 from tests.fixtures.cluster import wait_for
 
-from .operator_proc import OperatorProcess
+from hack.localcluster.operator_proc import OperatorProcess
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from .cluster_kit import CRD, REPO
-from .operator_proc import OperatorProcess
+from hack.localcluster.operator_proc import OperatorProcess
 
 
 @pytest.fixture(scope="module")

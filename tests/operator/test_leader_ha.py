@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections import defaultdict
 
 import pytest
 
+from hack.localcluster.operator_proc import OperatorProcess
+from tests.chart.test_install import other_operators
 from tests.fixtures.cluster import wait_for
 
-from tests.chart.test_install import other_operators
-
-from .operator_proc import OperatorProcess
 from .cluster_kit import RESUMABLE, Recorder, apply, checkpointed, diagnose, example, phase_is, wait_job
 
 pytestmark = pytest.mark.cluster
@@ -39,30 +36,10 @@ class ElectedOperator(OperatorProcess):
     """OperatorProcess with leader election on a Lease in `lease_ns`, scoped to `watch_ns`."""
 
     def __init__(self, env, log_path, pod_name: str, lease_ns: str, watch_ns: str):
-        super().__init__({**env, "POD_NAME": pod_name}, log_path)
-        self.lease_ns, self.watch_ns = lease_ns, watch_ns
-
-    def start(self) -> None:
-        log = open(self.log_path, "a")
-        log.write(f"\n===== start {self.starts} at {time.strftime('%H:%M:%S')} =====\n")
-        log.flush()
-        election = (["--leader-elect", "--leader-election-namespace", self.lease_ns,
+        election = (["--leader-elect", "--leader-election-namespace", lease_ns,
                      "--leader-election-name", "sftjob-operator-ha"] if ELECTION else ["--no-leader-elect"])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sftjob_operator.cli", "--namespace", self.watch_ns, "--watch-timeout", "120",
-             "--metrics-port", str(self.metrics_port), "--liveness-port", str(self.liveness_port), *election],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        self.starts += 1
-        wait_for(lambda: self.healthy(), 60, interval=0.3, what=f"{self.log_path.name} /healthz")
-
-    def healthy(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"operator exited {self.proc.returncode}:\n{self.tail()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        super().__init__({**env, "POD_NAME": pod_name}, log_path, namespaces=[watch_ns], extra_args=election)
+        self.lease_ns, self.watch_ns = lease_ns, watch_ns
 
     def healthz(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as r:
