@@ -281,8 +281,7 @@ class _Pass:
         naming the spec field; a full namespace quota is waited for (saying so) until the
         startup deadline."""
         if rej.permanent:
-            self.fail(rej.reason, rej.message)
-            self.stop(list(current.values()), finished_too=True)
+            self.fail(rej.reason, rej.message)  # which stops the part of the gang that exists
             return
         rp = self.spec.run_policy
         # Waiting since the job last stopped being Ready (created, or restarted): stable
@@ -293,7 +292,6 @@ class _Pass:
             self.fail(c.REASON_STARTUP_DEADLINE,
                       f"pods could not be created for {rp.startup_deadline_seconds}s "
                       f"(runPolicy.startupDeadlineSeconds): {rej.message}")
-            self.stop(list(current.values()), finished_too=True)
             return
         if self.reason_changed_to(rej.reason):
             self.event("Warning", rej.reason, rej.message)

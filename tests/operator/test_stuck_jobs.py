@@ -115,6 +115,12 @@ def test_refused_pod_fails_the_job_naming_the_spec_field():
     assert plan.status["phase"] == "Failed" and failed["reason"] == "PodRejected"
     assert "spec.resources.tolerations[0].effect" in failed["message"]
     assert [e.reason for e in plan.events] == ["PodRejected"] and not plan.launch
+    # Rank 0 was created before rank 1 was refused: it does not stay behind holding a node.
+    body = apply(body, reconcile.plan(body, [], at(0)))
+    for key in ("launchedAttempt", "launchTime"):  # the handler records them only if all pods exist
+        body["status"].pop(key)
+    plan = reconcile.plan(body, pods_for(body, phase="Pending")[:1], at(1), rejection=rej)
+    assert plan.status["phase"] == "Failed" and plan.delete_pods == ["tiny-node-0"]
 
 
 def test_quota_held_by_others_is_waited_for_then_the_startup_deadline_fails_it():
