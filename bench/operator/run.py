@@ -4,7 +4,7 @@
     python bench/operator/run.py --jobs 50       # a quick run
 
 The operator runs as a host process (`python -m sftjob_operator.cli --namespace NS`, as in
-tests/operator/operator_proc.py), namespace-scoped to a fresh namespace so that it never
+hack/localcluster/operator_proc.py), namespace-scoped to a fresh namespace so that it never
 touches anyone else's jobs on a shared cluster. Jobs are created through the API from a
 thread pool; their pods land on kwok nodes, which report them Running with fake IPs, so
 every rank-0 progress scrape of the operator goes to an address nothing answers (the scrape
