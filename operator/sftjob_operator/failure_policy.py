@@ -45,8 +45,8 @@ PREEMPTED_POD_REASONS = {"Evicted", "NodeLost", "Shutdown", "NodeShutdown", "Ter
                          "Preempting", "UnexpectedAdmissionError", "NodeAffinity", "OutOfcpu",
                          "OutOfmemory", "OutOfpods"}
 # Waiting reasons that mean the pod cannot start until something outside it changes.
-STUCK_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName",
-                         "CreateContainerConfigError", "CreateContainerError"}
+IMAGE_WAITING_REASONS = {"ImagePullBackOff", "ErrImagePull", "ErrImageNeverPull", "InvalidImageName"}
+STUCK_WAITING_REASONS = IMAGE_WAITING_REASONS | {"CreateContainerConfigError", "CreateContainerError"}
 
 
 class State(enum.Enum):

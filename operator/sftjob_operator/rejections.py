@@ -22,6 +22,7 @@ from typing import Any
 
 from . import api
 from . import conditions as c
+from . import failure_policy as fp
 
 
 # HTTP statuses of `create pod` that mean "this pod, as built, is refused" (not a passing
@@ -195,6 +196,10 @@ def explain_waiting(spec: api.SFTJobSpec, reason: str, message: str) -> str:
         # kubelet: 'secret "NAME" not found', or "couldn't find key K in Secret NS/NAME"
         if f'"{name}"' in message or message.rstrip().endswith(f"/{name}"):
             return f"{path} ({name}): {text}"
+    if reason in fp.IMAGE_WAITING_REASONS:
+        hint = " (the node has no such image and spec.resources.imagePullPolicy is Never: load the image onto " \
+            "the nodes or allow pulls)" if reason == "ErrImageNeverPull" else ""
+        return f"spec.resources.image ({spec.resources.image}): {text}{hint}"
     if reason == "Unschedulable":
         return f"{text} (check spec.resources: cpu, memory, gpusPerNode, nodeSelector, tolerations)"
     return text

@@ -169,6 +169,28 @@ def test_missing_secret_is_named_while_waiting_and_when_failing():
     assert "spec.storage.credentialsSecretRef.name" in failed["message"]
 
 
+def test_image_that_is_not_on_the_node_is_named_while_waiting_and_when_failing():
+    """A real kubelet with imagePullPolicy Never says ErrImageNeverPull: a stuck reason that names
+    spec.resources.image, chosen over another rank's ordinary wait."""
+    body = job_body({"runPolicy.startupDeadlineSeconds": 60, "resources.image": "registry.example/trainer:9",
+                     "resources.imagePullPolicy": "Never"})
+    body = apply(body, reconcile.plan(body, [], at(0)))
+    pods = pods_for(body, phase="Pending")
+    pods[0]["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {"reason": "PodInitializing"}}}]
+    pods[1]["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {
+        "reason": "ErrImageNeverPull",
+        "message": 'Container image "registry.example/trainer:9" is not present with pull policy of Never'}}}]
+    plan = reconcile.plan(body, pods, at(5))
+    ready = cond(plan.status, "Ready")
+    assert ready["reason"] == "ErrImageNeverPull"
+    assert "spec.resources.image (registry.example/trainer:9)" in ready["message"]
+    assert "spec.resources.imagePullPolicy" in ready["message"]
+    plan = reconcile.plan(apply(body, plan), pods, at(61))
+    failed = cond(plan.status, "Failed")
+    assert failed["reason"] == "StartupDeadlineExceeded"
+    assert "ErrImageNeverPull" in failed["message"] and "spec.resources.image" in failed["message"]
+
+
 @pytest.mark.parametrize("pod_field, expected", [
     ("spec.containers[0].resources.requests.memory", "spec.resources.memory"),
     ("spec.containers[0].resources.limits[memory]", "spec.resources.memory"),
