@@ -218,14 +218,14 @@ def stage_cluster(ctx: Ctx) -> None:
              show=f"helm upgrade --install {args.release} charts/sftjob-operator -n {args.system_namespace} "
                   f"--set 'watchNamespaces={{{args.namespace}}}' --wait", timeout=400)
     if existed:
-        # The local node agent runs the operator from this working tree, not from an image:
-        # restart it so that it runs the code checked out now.
+        # `make images` rebuilt the operator image from this checkout under the same tag:
+        # restart the Deployment so that its pods run it.
         deps = ctx.kube.get(f"/apis/apps/v1/namespaces/{args.system_namespace}/deployments",
                             labelSelector=f"app.kubernetes.io/instance={args.release}")["items"]
         deploy = f"deployment/{deps[0]['metadata']['name']}"
         ctx.kubectl("-n", args.system_namespace, "rollout", "restart", deploy,
                     show=f"kubectl -n {args.system_namespace} rollout restart {deploy}   "
-                         "# the local cluster runs the operator from the working tree")
+                         "# pods on the operator image just rebuilt")
         ctx.kubectl("-n", args.system_namespace, "rollout", "status", deploy, "--timeout=180s", timeout=200)
     op = wait_for(lambda: _operator_pod(ctx), 120, "the operator pod to run")
     ctx.summary["operator_pod"] = op["metadata"]["name"]
@@ -484,8 +484,8 @@ def preempt(ctx: Ctx, job: dict) -> dict:
     victim = f"{a.job}-node-1"
     ckpt = st["progress"].get("lastCheckpointStep")
     out.stage(4, f"Preempting {victim} mid-run (eviction through the API, as a cluster would)")
-    log = ctx.cfg.pods_dir / f"{a.namespace}_{a.job}-node-0" / "trainer.log"
-    offset = log.stat().st_size if log.exists() else 0
+    rank0 = f"{a.job}-node-0"
+    uid0 = ctx.kube.get(f"/api/v1/namespaces/{a.namespace}/pods/{rank0}")["metadata"]["uid"]
     attempt = st.get("attempt", 0)
     body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": victim, "namespace": a.namespace}}
     ctx.kubectl("create", "--raw", f"/api/v1/namespaces/{a.namespace}/pods/{victim}/eviction", "-f", "-",
@@ -500,17 +500,19 @@ def preempt(ctx: Ctx, job: dict) -> dict:
         out.say(f"condition Restarting={cond['status']} reason={cond['reason']}: {cond.get('message', '')}")
     _show_events(ctx, last=4)
     return {"pod": victim, "at_step": st["progress"].get("step"), "checkpoint_step": ckpt,
-            "attempt_before": attempt, "log": str(log), "log_offset": offset, "time": time.time()}
+            "attempt_before": attempt, "rank0": rank0, "rank0_uid": uid0, "time": time.time()}
 
 
 def _resumed_line(ctx: Ctx, pre: dict) -> str | None:
-    log = Path(pre["log"])
-    if not log.exists():
+    """The "resumed from" line of the re-created rank-0 pod's log (kubectl logs)."""
+    ns = ctx.args.namespace
+    try:
+        uid = ctx.kube.get(f"/api/v1/namespaces/{ns}/pods/{pre['rank0']}")["metadata"]["uid"]
+    except ApiError:
         return None
-    with open(log, "rb") as f:
-        f.seek(pre["log_offset"])
-        text = f.read().decode(errors="replace")
-    for line in text.splitlines():
+    if uid == pre["rank0_uid"]:
+        return None
+    for line in localcluster.pod_log(ns, pre["rank0"], "trainer", cfg=ctx.cfg).splitlines():
         if "resumed from" in line:
             return line[line.index("resumed from"):].strip()
     return None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the local cluster's binaries from the Go module proxy into a version-keyed cache.
 #
-#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok|kueue ...]   (default: all but kueue, in that order)
+#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok|coredns|kueue ...]   (default: all but kueue, in that order)
 #   hack/build-binaries.sh --print-dirs                     (print NAME=DIR per component)
 #
 # Each component lands in ${SFTJOB_CACHE:-$HOME/.cache/sftjob}/<name>-<version>/bin and is
@@ -28,16 +28,22 @@ dir_of() {
     minio) echo "$CACHE/minio-$MINIO_VERSION" ;;
     kwok) echo "$CACHE/kwok-$KWOK_VERSION" ;;
     kueue) echo "$CACHE/kueue-$KUEUE_VERSION" ;;
+    coredns) echo "$CACHE/coredns-$COREDNS_VERSION" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac
 }
 
 log() { printf '[build-binaries %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 
-# begin NAME: returns 1 (skip) when already built, else prepares DIR/src and DIR/bin.tmp.
+# The Kubernetes binaries, control plane and node (kubelet, kube-proxy) alike.
+K8S_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
+
+# begin NAME [BINARY...]: returns 1 (skip) when already built with every BINARY, else prepares
+# DIR/src and DIR/bin.tmp. A cache built before a binary joined the list is rebuilt.
 begin() {
-  local d; d="$(dir_of "$1")"
-  if [[ -f "$d/.built" ]]; then
+  local d b complete=1; d="$(dir_of "$1")"
+  for b in "${@:2}"; do [[ -x "$d/bin/$b" ]] || complete=0; done
+  if [[ -f "$d/.built" && $complete == 1 ]]; then
     log "$1: cached in $d"
     return 1
   fi
@@ -57,7 +63,7 @@ finish() {
 }
 
 build_k8s() {
-  begin k8s || return 0
+  begin k8s "${K8S_BINARIES[@]}" || return 0
   local d src minor ver=$K8S_VERSION
   d="$(dir_of k8s)"; src="$d/src"
   minor="$(echo "$ver" | cut -d. -f2)"
@@ -85,7 +91,7 @@ for r in mod.get("Require") or []:
     echo "require k8s.io/kubernetes $ver"
     echo
     echo "tool ("
-    for c in kube-apiserver kube-controller-manager kube-scheduler kubectl; do echo "	k8s.io/kubernetes/cmd/$c"; done
+    for c in "${K8S_BINARIES[@]}"; do echo "	k8s.io/kubernetes/cmd/$c"; done
     echo ")"
     echo
     echo "replace ("
@@ -101,8 +107,7 @@ for r in mod.get("Require") or []:
     ldf+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$(date -u +%FT%TZ)"
   done
   (cd "$src" && go build -p "$GO_P" -trimpath -ldflags "$ldf" -o "$d/bin.tmp/" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+    "${K8S_BINARIES[@]/#/k8s.io/kubernetes/cmd/}")
   finish k8s
 }
 
@@ -160,13 +165,51 @@ build_kueue() {
   fi
 }
 
+# Cluster DNS. CoreDNS's own main links every plugin (cloud SDKs included); this one links the
+# few a cluster's DNS needs, in CoreDNS's directive order (bind: two clusters on one machine
+# each answer on their own bridge address).
+build_coredns() {
+  begin coredns coredns || return 0
+  local d src; d="$(dir_of coredns)"; src="$d/src"
+  printf 'module local/sftjob-coredns-binary\n\ngo 1.26.0\n\nrequire github.com/coredns/coredns %s\n' \
+    "$COREDNS_VERSION" >"$src/go.mod"
+  cat >"$src/main.go" <<'GO'
+// CoreDNS with only the plugins the local cluster's DNS uses.
+package main
+
+import (
+	"github.com/coredns/coredns/core/dnsserver"
+	"github.com/coredns/coredns/coremain"
+
+	_ "github.com/coredns/coredns/plugin/bind"
+	_ "github.com/coredns/coredns/plugin/cache"
+	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/forward"
+	_ "github.com/coredns/coredns/plugin/health"
+	_ "github.com/coredns/coredns/plugin/kubernetes"
+	_ "github.com/coredns/coredns/plugin/loadbalance"
+	_ "github.com/coredns/coredns/plugin/log"
+	_ "github.com/coredns/coredns/plugin/ready"
+)
+
+func init() {
+	dnsserver.Directives = []string{"bind", "ready", "health", "errors", "log", "loadbalance", "cache", "kubernetes", "forward"}
+}
+
+func main() { coremain.Run() }
+GO
+  (cd "$src" && go mod tidy)
+  (cd "$src" && go build -p "$GO_P" -trimpath -ldflags "-s -w" -o "$d/bin.tmp/coredns" .)
+  finish coredns
+}
+
 if [[ "${1:-}" == "--print-dirs" ]]; then
-  for c in k8s etcd helm minio kwok kueue; do echo "$c=$(dir_of "$c")"; done
+  for c in k8s etcd helm minio kwok coredns kueue; do echo "$c=$(dir_of "$c")"; done
   exit 0
 fi
 
 components=("$@")
-[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd helm minio kwok)
+[[ ${#components[@]} -gt 0 ]] || components=(k8s etcd helm minio kwok coredns)
 mkdir -p "$CACHE"
 # One build at a time per cache: two test sessions starting together must not both write the
 # same bin.tmp, and two Go builds at once would only fight over the two cores.

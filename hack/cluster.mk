@@ -7,10 +7,10 @@ CLUSTER_PY = $(if $(wildcard $(PY)),$(PY),python3)
 
 .PHONY: cluster-build cluster-up cluster-down cluster-status cluster-env
 
-cluster-build: ## Build (or reuse cached) kube-apiserver/controller-manager/scheduler/kubectl, etcd, helm, minio, kwok
+cluster-build: ## Build (or reuse cached) the Kubernetes binaries (kubelet and kube-proxy too), etcd, helm, minio, kwok, CoreDNS
 	hack/build-binaries.sh
 
-cluster-up: install ## Start the local cluster (etcd, API server, controllers, scheduler, MinIO, node agent; Kueue with KUEUE=1); no-op when up
+cluster-up: install ## Start the local cluster (control plane, MinIO, CoreDNS, kube-proxy, 2 kubelet+containerd nodes; Kueue with KUEUE=1); no-op when up
 	$(PY) -m hack.localcluster up $(if $(filter 1 true yes,$(KUEUE)),--kueue)
 
 cluster-down: ## Stop every cluster process (pods included) and remove .cluster/

@@ -7,22 +7,20 @@ Every fault acts the way the real thing would reach the system, through the same
 | pod-delete       | a training pod deleted through the API (graceful: SIGTERM, checkpoint) | 1 preemption       |
 | trainer-sigkill  | SIGKILL to every process of one training pod (the container's main  | 1 preemption (137)   |
 |                  | process first, as a runtime's kill of the container)                |                      |
-| node-lost        | `localcluster.node_lost(node)` of a training pod's node: its pods   | 1 preemption         |
-|                  | are SIGKILLed, the Node goes NotReady; restored after the restart   |                      |
+| node-lost        | `localcluster.node_lost(node)` of a training pod's node: its kubelet| 1 preemption         |
+|                  | is killed, the Node goes NotReady; restored after the restart       |                      |
 | operator-kill    | one operator pod force-deleted (grace 0: SIGKILL at once); its      | none                 |
 |                  | Deployment makes a new one                                          |                      |
 | operator-kill-all| every operator pod force-deleted at once (both replicas)            | none                 |
 | minio-outage     | MinIO stopped just before a checkpoint is due, restarted seconds    | none (the upload is  |
 |                  | later, so the checkpoint upload runs into the outage                | retried)             |
 
-Pods run as local processes under the node agent (hack/localcluster/nodeagent.py): a pod's
-processes are exactly those in its network namespace `<netns_prefix><uid without dashes>[:10]`,
-and its container's main process is the pid in `containerID: sftjob://<pid>`.
+Pods run in containers on the local cluster's real nodes (kubelet + containerd): a SIGKILL
+goes to every process of the trainer container through its node's containerd.
 """
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 import urllib.request
@@ -31,6 +29,7 @@ from typing import Any, Callable
 
 from hack import localcluster
 from hack.localcluster import cluster as lc
+from hack.localcluster import realnodes
 from hack.localcluster.kube import ApiError
 
 PREEMPTION = "preemption"
@@ -39,7 +38,7 @@ PREEMPTION = "preemption"
 KINDS: dict[str, tuple[str | None, str]] = {
     "pod-delete": (PREEMPTION, "gang restart counted as a preemption"),
     "trainer-sigkill": (PREEMPTION, "exit 137: gang restart counted as a preemption"),
-    "node-lost": (PREEMPTION, "pods NodeLost: gang restart counted as a preemption"),
+    "node-lost": (PREEMPTION, "node NotReady: gang restart counted as a preemption"),
     "operator-kill": (None, "no restart; the job carries on"),
     "operator-kill-all": (None, "no restart; the job carries on"),
     "minio-outage": (None, "no restart; the checkpoint upload is retried"),
@@ -92,40 +91,14 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
 
 # ------------------------------------------------------------------------------ processes of a pod
 
-def pod_netns(cfg, pod: dict) -> str:
-    return f"{cfg.netns_prefix}{pod['metadata']['uid'].replace('-', '')[:10]}"
-
-
-def main_pid(pod: dict) -> int | None:
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        if "running" in (cs.get("state") or {}) and (cs.get("containerID") or "").startswith("sftjob://"):
-            return int(cs["containerID"].split("://", 1)[1])
-    return None
-
-
-def pod_pids(cfg, pod: dict) -> list[int]:
-    """Host pids of every process of the pod (its network namespace's), main process first."""
-    out = subprocess.run(["ip", "netns", "pids", pod_netns(cfg, pod)], capture_output=True, text=True)
-    pids = [int(p) for p in out.stdout.split()]
-    first = main_pid(pod)
-    if first in pids:
-        pids.remove(first)
-        pids.insert(0, first)
-    elif first:
-        pids.insert(0, first)
-    return pids
-
-
-def sigkill_pod(cfg, pod: dict) -> list[int]:
-    """SIGKILL every process of the pod, the container's main process first (so the runtime
-    reports 128+9 = 137 for it, whatever its children do)."""
+def sigkill_pod(cfg, pod: dict) -> list[str]:
+    """SIGKILL every process of the pod's running containers through its node's containerd (the
+    runtime reports 128+9 = 137); returns the container IDs."""
     killed = []
-    for pid in pod_pids(cfg, pod):
-        try:
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        except ProcessLookupError:
-            pass
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if "running" in (cs.get("state") or {}) and cs.get("containerID"):
+            realnodes.signal_container(cfg, pod["spec"]["nodeName"], cs["containerID"], "SIGKILL")
+            killed.append(cs["containerID"].split("://", 1)[-1][:12])
     return killed
 
 
@@ -161,7 +134,7 @@ class Injector:
 
     def operators_running(self) -> list[dict]:
         return [p for p in self.operator_pods() if (p.get("status") or {}).get("phase") == "Running"
-                and main_pid(p)]
+                and any("running" in (cs.get("state") or {}) for cs in p["status"].get("containerStatuses") or [])]
 
     def _pick_training_pod(self, attempt: int) -> dict:
         pods = wait_for(lambda: self.job_pods(attempt), 60, "a running training pod")
@@ -183,13 +156,13 @@ class Injector:
         f.t = time.time()
         killed = sigkill_pod(self.cfg, pod)
         f.target = pod["metadata"]["name"]
-        f.detail = f"SIGKILL pids {killed[:6]}{'...' if len(killed) > 6 else ''} (main {killed[:1]})"
+        f.detail = f"SIGKILL container {', '.join(killed)}"
 
     def _node_lost(self, f: Fault, attempt: int) -> None:
         pod = self._pick_training_pod(attempt)
         node = pod["spec"]["nodeName"]
         f.t = time.time()
-        localcluster.node_lost(node, cfg=self.cfg)
+        localcluster.node_lost(node, cfg=self.cfg, kill_containers=False)
         self.lost_nodes.append(node)
         f.target, f.detail = node, f"node_lost({node}) under {pod['metadata']['name']}"
 
@@ -253,7 +226,7 @@ class Injector:
         finally:
             self.kube.merge_patch(path, {"spec": {"replicas": replicas}})
         f.target = pod["metadata"]["name"]
-        f.detail = (f"operator scaled to 0, SIGKILL pids {killed[:3]}, peers ended, operator scaled back to "
+        f.detail = (f"operator scaled to 0, SIGKILL container {', '.join(killed)}, peers ended, operator scaled back to "
                     f"{replicas}")
 
     def _minio_outage(self, f: Fault, attempt: int) -> None:

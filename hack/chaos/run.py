@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:
 
 from hack import localcluster  # noqa: E402
 from hack.localcluster.kube import ApiError, Kube  # noqa: E402
+from hack.localcluster.logtap import LogTap  # noqa: E402
 
 from .faults import KINDS, OPT_IN, PREEMPTION, RESTARTING, Fault, Injector, minio_live, minio_start, wait_for  # noqa: E402
 from .monitor import Monitor  # noqa: E402
@@ -68,6 +69,7 @@ class Ctx:
         self.env = {**os.environ, **localcluster.env(self.cfg)}
         self.kubectl_bin = str(localcluster.bin_dir("k8s") / "kubectl")
         self.helm_bin = str(localcluster.bin_dir("helm") / "helm")
+        self.tap: LogTap | None = None
         import boto3
 
         e = self.env
@@ -132,7 +134,7 @@ def install_operator(ctx: Ctx) -> None:
     dep = ctx.kube.get(f"/apis/apps/v1/namespaces/{a.system_namespace}/deployments",
                        labelSelector=f"app.kubernetes.io/instance={a.release}")["items"][0]
     if existed:
-        # The node agent runs the operator from the working tree: restart it on the code checked out now.
+        # The operator image was rebuilt from this checkout under the same tag: restart its pods on it.
         ctx.kubectl("-n", a.system_namespace, "rollout", "restart", f"deployment/{dep['metadata']['name']}")
         ctx.kubectl("-n", a.system_namespace, "rollout", "status", f"deployment/{dep['metadata']['name']}",
                     "--timeout=300s", timeout=320)
@@ -339,8 +341,9 @@ def attribute(faults: list[Fault], mon: Monitor, end: dict) -> None:
 
 
 def rank0_log(ctx: Ctx, name: str) -> Path:
-    """The node agent's log of the rank-0 pod; re-created pods of the same name append to it."""
-    return ctx.cfg.pods_dir / f"{ctx.args.namespace}_{name}-node-0" / "trainer.log"
+    """The rank-0 pod's log as the run's LogTap keeps it: re-created pods of the same name
+    append to it."""
+    return ctx.tap.path(f"{name}-node-0", "trainer")
 
 
 def check_resumes(ctx: Ctx, name: str, mon: Monitor, offset: int) -> tuple[list[str], list[str]]:
@@ -474,9 +477,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- the faulty run -------------------------------------------------------------------
     say(f"faulty job {args.namespace}/{run_name}: same spec; {args.faults} faults from {', '.join(args.kinds)}")
+    # the kubelets forget a pod's log when it is deleted: keep every incarnation's
+    ctx.tap = LogTap(ctx.kube, args.namespace, f"sftjob.io/job-name={run_name}", args.workdir / "pod-logs").start()
     log_path = rank0_log(ctx, run_name)
     offset = log_path.stat().st_size if log_path.exists() else 0  # logs of earlier runs stay
-    rank_logs = [ctx.cfg.pods_dir / f"{args.namespace}_{run_name}-node-{r}" / "trainer.log" for r in range(2)]
+    rank_logs = [ctx.tap.path(f"{run_name}-node-{r}", "trainer") for r in range(2)]
     offsets = [p.stat().st_size if p.exists() else 0 for p in rank_logs]
     ctx.kube.create(JOBS.format(ns=args.namespace), manifest(args, run_name))
     mon = Monitor(ctx.kube, ctx.s3, args.namespace, run_name, tuple(ctx.cfg.nodes))

@@ -6,10 +6,10 @@
     localcluster.node_lost("sftjob-node-1")
     localcluster.down()
 
-CLI: python -m hack.localcluster {up,down,status,env,node-lost,node-restore}
+CLI: python -m hack.localcluster {up,down,status,env,node-lost,node-restore,logs}
 """
 from .cluster import down, env, is_up, kubeconfig_path, leftover_processes, status, up  # noqa: F401
 from .config import ClusterConfig, bin_dir, load  # noqa: F401
 from .kueue import kueue_down, kueue_up  # noqa: F401
 from .kwok import kwok_down, kwok_up  # noqa: F401
-from .nodes import node_lost, node_restore  # noqa: F401
+from .nodes import node_lost, node_restore, pod_log  # noqa: F401

@@ -18,7 +18,7 @@ def main() -> int:
     p.add_argument("--delete-pods", action="store_true", help="also force-delete its pods")
     p = sub.add_parser("node-restore", help="bring a lost node back")
     p.add_argument("node")
-    p = sub.add_parser("logs", help="print a pod's container log (what `kubectl logs` would show)")
+    p = sub.add_parser("logs", help="print a pod's container log (as `kubectl logs`)")
     p.add_argument("namespace")
     p.add_argument("pod")
     p.add_argument("container", nargs="?", help="default: the only/first log of the pod")
@@ -41,7 +41,7 @@ def main() -> int:
             print(f"{name:26s} {'ok' if ok else 'DOWN'}")
         cfg = cluster.C.load()
         if all(st.values()):
-            print(f"kubeconfig: {cfg.kubeconfig}\nenv:        {cfg.env_file}\npod logs:   {cfg.pods_dir}/<ns>_<pod>/<container>.log")
+            print(f"kubeconfig: {cfg.kubeconfig}\nenv:        {cfg.env_file}\nlogs:       {cfg.logs}/<component>.log; pods: kubectl logs")
         return 0 if all(st.values()) else 1
     elif a.cmd == "env":
         print(cluster.C.load().env_file.read_text(), end="")
@@ -50,14 +50,11 @@ def main() -> int:
     elif a.cmd == "node-restore":
         nodes.node_restore(a.node)
     elif a.cmd == "logs":
-        d = cluster.C.load().pods_dir / f"{a.namespace}_{a.pod}"
-        logs = sorted(d.glob("*.log")) if d.is_dir() else []
-        if a.container:
-            logs = [d / f"{a.container}.log"]
-        if not logs or not logs[0].exists():
-            print(f"no logs for {a.namespace}/{a.pod} under {d}", file=sys.stderr)
+        text = nodes.pod_log(a.namespace, a.pod, a.container)
+        if not text:
+            print(f"no logs for {a.namespace}/{a.pod} (gone, or not started)", file=sys.stderr)
             return 1
-        sys.stdout.write(logs[0].read_text(errors="replace"))
+        sys.stdout.write(text)
     elif a.cmd == "kwok-up":
         print("\n".join(kwok.kwok_up(a.nodes)))
     elif a.cmd == "kwok-down":

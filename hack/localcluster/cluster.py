@@ -1,5 +1,6 @@
 """Start, inspect and stop the local cluster: etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler, MinIO and the node agent, all as plain processes of this machine.
+kube-scheduler, MinIO, CoreDNS, kube-proxy and, per node, containerd and a kubelet, all as plain
+processes of this machine (realnodes.py configures the node side).
 
 Every component is started detached (its own session, reparented away from the caller) with a
 pid file and a log under the state directory, so a cluster started by `make cluster-up` outlives
@@ -26,10 +27,22 @@ import urllib.request
 from pathlib import Path
 
 from . import config as C
+from . import images
+from . import realnodes as R
 from .kube import ApiError, Kube
 
-# Start order; stop order is the reverse.
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "minio", "node-agent")
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "minio", "coredns")
+
+
+def components(cfg: C.ClusterConfig) -> tuple[str, ...]:
+    """Start order (stop order is the reverse): the control plane, containerd and the kubelet
+    of each node, then kube-proxy (which waits for the Node it serves to exist)."""
+    return (CONTROL_PLANE + tuple(f"{kind}-{i}" for i in range(len(cfg.nodes)) for kind in ("containerd", "kubelet"))
+            + (("kube-proxy",) if cfg.service_proxy else ()))
+
+
+def _node_index(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])
 
 # The controllers this cluster needs (names from kube-controller-manager --help): garbage
 # collection, namespace deletion, service accounts and their tokens, endpoints for headless
@@ -47,6 +60,8 @@ KCM_CONTROLLERS = ",".join([
     # the built-in admin/edit/view ClusterRoles are assembled by aggregation
     "clusterrole-aggregation-controller",
     "resourcequota-controller",
+    # Ready=Unknown and the unreachable taints when a kubelet stops posting status
+    "node-lifecycle-controller",
 ])
 
 
@@ -58,10 +73,12 @@ def log(msg: str) -> None:
 # binaries
 
 
-def ensure_binaries(components=("k8s", "etcd", "helm", "minio", "kwok")) -> None:
+def ensure_binaries(components=("k8s", "etcd", "helm", "minio", "kwok", "coredns")) -> None:
     """Build what is missing from the cache (a no-op when everything is cached). Raises when a
     build fails, so a test session that needs the cluster fails instead of skipping."""
-    missing = [c for c in components if not (C.bin_dir(c).parent / ".built").exists()]
+    want = {"k8s": ("kubelet", "kube-proxy")}
+    missing = [c for c in components if not (C.bin_dir(c).parent / ".built").exists()
+               or not all((C.bin_dir(c) / b).exists() for b in want.get(c, ()))]
     if missing:
         log(f"building {' '.join(missing)} (cold cache: this takes a while on 2 cores)")
         subprocess.run([str(C.HACK / "build-binaries.sh"), *missing], check=True)
@@ -114,13 +131,18 @@ def _marker(cfg: C.ClusterConfig, name: str) -> str:
 def _ports(cfg: C.ClusterConfig, name: str) -> list[tuple[str, int, int]]:
     """(address, port, socket type) that a component listens on."""
     tcp, udp = socket.SOCK_STREAM, socket.SOCK_DGRAM
+    if name.startswith("kubelet-"):
+        ip = R.node_ip(cfg, _node_index(name))
+        return [(ip, cfg.kubelet_port, tcp), (ip, 10248, tcp)]
     return {
         "etcd": [("127.0.0.1", cfg.etcd_port, tcp), ("127.0.0.1", cfg.etcd_peer_port, tcp)],
         "kube-apiserver": [(cfg.host_ip, cfg.apiserver_port, tcp)],
         "kube-controller-manager": [("127.0.0.1", cfg.kcm_port, tcp)],
         "kube-scheduler": [("127.0.0.1", cfg.scheduler_port, tcp)],
         "minio": [(cfg.host_ip, cfg.minio_port, tcp), ("127.0.0.1", cfg.minio_port + 1, tcp)],
-        "node-agent": [(cfg.host_ip, 53, udp), (cfg.host_ip, cfg.kubelet_port, tcp)],
+        "coredns": [(cfg.host_ip, 53, udp), (cfg.host_ip, 53, tcp), ("127.0.0.1", cfg.dns_health_port, tcp),
+                    ("127.0.0.1", cfg.dns_health_port + 1, tcp)],
+        "kube-proxy": [("127.0.0.1", cfg.kube_proxy_port, tcp), ("127.0.0.1", cfg.kube_proxy_metrics_port, tcp)],
     }.get(name, [])
 
 
@@ -150,18 +172,15 @@ def _start(cfg: C.ClusterConfig, name: str, argv: list[str], env: dict | None = 
                          text=True, env={**(env or os.environ), "LOG": str(logf)}, cwd=str(C.REPO))
     pid = int(out.stdout.strip())
     (cfg.pids / f"{name}.pid").write_text(str(pid))
-    (cfg.pids / f"{name}.config").write_text(_fingerprint(argv))
+    (cfg.pids / f"{name}.config").write_text(_fingerprint(cfg, name, argv))
     log(f"started {name} (pid {pid}, log {logf})")
 
 
-def _fingerprint(argv: list[str]) -> str:
-    """What a component was started with: its command line, and for the node agent (a Python
-    program of this repo) its source, so that a long-running cluster started by older code is
-    noticed."""
+def _fingerprint(cfg: C.ClusterConfig, name: str, argv: list[str]) -> str:
+    """What a component was started with: its command line and the configuration files this
+    code writes for it, so that a long-running cluster started by older code is noticed."""
     h = hashlib.sha256(json.dumps(argv).encode())
-    if "hack.localcluster.nodeagent" in argv:
-        for f in sorted(Path(__file__).parent.glob("*.py")):
-            h.update(f.read_bytes())
+    h.update(R.config_text(cfg, name).encode())
     return h.hexdigest()
 
 
@@ -175,11 +194,11 @@ def stale_components(cfg: C.ClusterConfig | None = None) -> list[str]:
     except OSError:
         return []
     out = []
-    for name in COMPONENTS:
+    for name in components(cfg):
         rec = cfg.pids / f"{name}.config"
         if _alive(_pid(cfg, name), _marker(cfg, name)):
             argv, _ = _argv(cfg, name, sec, write=False)
-            if not rec.exists() or rec.read_text() != _fingerprint(argv):
+            if not rec.exists() or rec.read_text() != _fingerprint(cfg, name, argv):
                 out.append(name)
     return out
 
@@ -196,6 +215,24 @@ def _stop(cfg: C.ClusterConfig, name: str, timeout: float = 20) -> None:
             os.kill(pid, signal.SIGKILL)
         log(f"stopped {name} (pid {pid})")
     (cfg.pids / f"{name}.pid").unlink(missing_ok=True)
+
+
+def kill_component(cfg: C.ClusterConfig, name: str) -> None:
+    """SIGKILL one component (node loss: a kubelet dies with its machine)."""
+    pid = _pid(cfg, name)
+    if _alive(pid, _marker(cfg, name)):
+        os.kill(pid, signal.SIGKILL)
+        while _running(pid):
+            time.sleep(0.1)
+        log(f"killed {name} (pid {pid})")
+
+
+def start_component(cfg: C.ClusterConfig, name: str, timeout: float = 120) -> None:
+    """Start one stopped component with the configuration `up` uses and wait until healthy."""
+    if not _alive(_pid(cfg, name), _marker(cfg, name)):
+        argv, e = _argv(cfg, name, json.loads(cfg.secrets_file.read_text()))
+        _start(cfg, name, argv, e)
+    _wait(cfg, name, timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,14 +263,19 @@ def _healthy(cfg: C.ClusterConfig, name: str) -> bool:
         return _https_ok(f"https://127.0.0.1:{cfg.scheduler_port}/healthz")
     if name == "minio":
         return _https_ok(f"{cfg.s3_endpoint}/minio/health/live")
-    if name == "node-agent":
+    if name == "coredns":
+        return _https_ok(f"http://127.0.0.1:{cfg.dns_health_port + 1}/ready")
+    if name == "kube-proxy":
+        # /livez: /healthz also fails while the Node it serves does not exist yet
+        return _https_ok(f"http://127.0.0.1:{cfg.kube_proxy_port}/livez")
+    if name.startswith("containerd-"):
+        return _sh("ctr", "--address", R.containerd_address(cfg, _node_index(name)), "version",
+                   check=False).returncode == 0
+    if name.startswith("kubelet-"):
         try:
-            kube = Kube.from_state(cfg)
-            for node in cfg.nodes:
-                conds = kube.get(f"/api/v1/nodes/{node}")["status"].get("conditions", [])
-                if not any(c["type"] == "Ready" for c in conds):
-                    return False
-            return True
+            node = cfg.nodes[_node_index(name)]
+            conds = Kube.from_state(cfg).get(f"/api/v1/nodes/{node}")["status"].get("conditions", [])
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
         except Exception:
             return False
     raise ValueError(name)
@@ -260,7 +302,7 @@ def _wait(cfg: C.ClusterConfig, name: str, timeout: float = 120) -> None:
 def status(cfg: C.ClusterConfig | None = None) -> dict[str, bool]:
     """Health of every component: {"etcd": True, ...}."""
     cfg = cfg or C.load()
-    return {name: _healthy(cfg, name) for name in COMPONENTS}
+    return {name: _healthy(cfg, name) for name in components(cfg)}
 
 
 def is_up(cfg: C.ClusterConfig | None = None) -> bool:
@@ -286,20 +328,15 @@ def ensure_bridge(cfg: C.ClusterConfig) -> None:
 
 
 def remove_network(cfg: C.ClusterConfig) -> None:
-    """Delete this cluster's pod network namespaces (killing anything left in them) and bridge."""
-    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
-        ns = line.split()[0] if line.split() else ""
-        if ns.startswith(cfg.netns_prefix):
-            for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except OSError:
-                    pass
-            _sh("ip", "netns", "del", ns, check=False)
-    for line in _sh("ip", "-o", "link", "show", check=False).stdout.splitlines():
-        dev = line.split(":")[1].strip().split("@")[0]
-        if dev.startswith(cfg.netns_prefix):
-            _sh("ip", "link", "del", dev, check=False)
+    """Delete the pod network namespaces left with an address of this cluster's subnet (a node
+    stopped without tearing its pods down; killing anything left in them) and the bridge."""
+    for ns in R.pod_netns(cfg):
+        for pid in _sh("ip", "netns", "pids", ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
+        _sh("ip", "netns", "del", ns, check=False)
     _sh("ip", "link", "del", cfg.bridge, check=False)
 
 
@@ -327,16 +364,23 @@ def ensure_pki(cfg: C.ClusterConfig) -> None:
         "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
         "-extfile", str(pki / "apiserver.ext"), "-out", str(pki / "apiserver.crt"))
     _sh("openssl", "genrsa", "-out", str(pki / "sa.key"), "2048")
-    # the node agent's log endpoint (kubectl logs); the API server does not verify kubelets
-    # unless told to, but a CA-signed certificate keeps the option open
-    (pki / "kubelet.ext").write_text(
+    # each kubelet's serving certificate (logs, exec, port-forward), for its node address
+    for i, node in enumerate(cfg.nodes):
+        _signed(pki, f"kubelet-{i}", f"/CN={node}", "serverAuth", f"subjectAltName=IP:{R.node_ip(cfg, i)},DNS:{node}\n")
+    # the API server's client certificate towards kubelets (authorised through RBAC, as
+    # kubeadm's apiserver-kubelet-client)
+    _signed(pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client", "clientAuth", "")
+
+
+def _signed(pki: Path, name: str, subject: str, usage: str, extra: str) -> None:
+    (pki / f"{name}.ext").write_text(
         "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-        f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{cfg.host_ip}\n")
-    _sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "kubelet.key"),
-        "-out", str(pki / "kubelet.csr"), "-subj", "/CN=sftjob-node-agent")
-    _sh("openssl", "x509", "-req", "-in", str(pki / "kubelet.csr"), "-CA", str(pki / "ca.crt"),
+        f"extendedKeyUsage={usage}\n{extra}")
+    _sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / f"{name}.key"),
+        "-out", str(pki / f"{name}.csr"), "-subj", subject)
+    _sh("openssl", "x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / "ca.crt"),
         "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
-        "-extfile", str(pki / "kubelet.ext"), "-out", str(pki / "kubelet.crt"))
+        "-extfile", str(pki / f"{name}.ext"), "-out", str(pki / f"{name}.crt"))
 
 
 def ensure_secrets(cfg: C.ClusterConfig) -> dict:
@@ -377,6 +421,12 @@ contexts:
 current-context: sftjob-local
 """)
     cfg.kubeconfig.chmod(0o600)
+    # what the node components (kubelets, kube-proxy, CoreDNS) authenticate with: the admin
+    # token, in a file of its own so that a narrower identity can replace it without touching
+    # the user's kubeconfig
+    node_kc = cfg.state_dir / "node-kubeconfig"
+    node_kc.write_text(cfg.kubeconfig.read_text())
+    node_kc.chmod(0o600)
     lines = {k: v for k, v in env(cfg).items() if k != "PATH"}
     text = "".join(f"export {k}={v}\n" for k, v in lines.items())
     text += f'export PATH={C.bin_dir("k8s")}:{C.bin_dir("helm")}:$PATH\n'
@@ -428,15 +478,20 @@ def _argv(cfg: C.ClusterConfig, name: str, sec: dict, write: bool = True) -> tup
                 f"--service-account-key-file={pki}/sa.key",
                 f"--service-account-signing-key-file={pki}/sa.key",
                 "--profiling=false", f"--cert-dir={pki}/generated",
-                # reach the node agent's log endpoint (kubectl logs) by the Nodes' InternalIP:
-                # their Hostname addresses do not resolve on this host
-                "--kubelet-preferred-address-types=InternalIP"], None
+                # reach kubelets (logs, exec, port-forward) by the Nodes' InternalIP: their
+                # Hostname addresses do not resolve on this host
+                "--kubelet-preferred-address-types=InternalIP",
+                f"--kubelet-client-certificate={pki}/apiserver-kubelet-client.crt",
+                f"--kubelet-client-key={pki}/apiserver-kubelet-client.key"], None
     if name == "kube-controller-manager":
         return [kube_bin("kube-controller-manager"), f"--kubeconfig={kc}",
                 f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
                 "--leader-elect=false", "--bind-address=127.0.0.1", f"--secure-port={cfg.kcm_port}",
                 f"--cert-dir={pki}/kcm", f"--controllers={KCM_CONTROLLERS}",
-                f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt"], None
+                f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt",
+                # kubelets renew their lease every 3 s (realnodes.kubelet_config): a stopped one
+                # makes its Node NotReady within 20 s
+                "--node-monitor-grace-period=20s", "--node-monitor-period=2s"], None
     if name == "kube-scheduler":
         conf = d / "scheduler.yaml"
         if write:
@@ -451,8 +506,19 @@ def _argv(cfg: C.ClusterConfig, name: str, sec: dict, write: bool = True) -> tup
         return [str(C.bin_dir("minio") / "minio"), "server", f"{d}/minio", "--quiet",
                 f"--address={cfg.host_ip}:{cfg.minio_port}",
                 f"--console-address=127.0.0.1:{cfg.minio_port + 1}"], e
-    if name == "node-agent":
-        return [sys.executable, "-m", "hack.localcluster.nodeagent", "--state-dir", str(d)], None
+    if name == "coredns":
+        if write:
+            R.write_cluster_files(cfg)
+        return R.coredns_argv(cfg), None
+    if name == "kube-proxy":
+        if write:
+            R.write_cluster_files(cfg)
+        return R.kube_proxy_argv(cfg), None
+    if name.startswith(("containerd-", "kubelet-")):
+        i = _node_index(name)
+        if write:
+            R.write_node_files(cfg, i)
+        return (R.containerd_argv(cfg, i) if name.startswith("containerd-") else R.kubelet_argv(cfg, i)), None
     raise ValueError(name)
 
 
@@ -483,24 +549,40 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
     st = status(cfg)
     if all(st.values()):
         log(f"cluster already up ({cfg.state_dir})")
+        # the images follow the checkout: rebuilt when their inputs changed, re-imported then
+        for i in range(len(cfg.nodes)):
+            images.load(R.containerd_address(cfg, i), names=cfg.node_images)
         stale = stale_components(cfg)
         if stale:
             log(f"WARNING: {', '.join(stale)} run(s) with an older configuration or code than this checkout; "
                 "`make cluster-down cluster-up` applies it")
         return cfg
-    if not any(_alive(_pid(cfg, n), _marker(cfg, n)) for n in COMPONENTS):
+    if R.missing_packages():
+        # installs them when root (CI, these machines), else says which to install
+        subprocess.run([str(C.HACK / "host-packages.sh")], check=False)
+    missing = R.missing_packages()
+    if missing:
+        raise RuntimeError(f"the local cluster's nodes need these Debian packages: apt-get install -y {' '.join(missing)}")
+    if not any(_alive(_pid(cfg, n), _marker(cfg, n)) for n in components(cfg)):
         # Nothing of it runs (first start, or a machine that lost its processes): start clean
         # instead of resurrecting stale pods and half-written state.
         _clean(cfg)
-    for sub in ("logs", "pids", "pods"):
+    for sub in ("logs", "pids"):
         (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
     ensure_bridge(cfg)
+    R.ensure_host_network(cfg)
     ensure_pki(cfg)
     sec = ensure_secrets(cfg)
     write_client_files(cfg, sec)
-    for name in COMPONENTS:
+    for name in components(cfg):
         if st.get(name):
             continue
+        if name.startswith("kubelet-"):
+            i = _node_index(name)
+            # containers a crashed earlier cluster left in the node's (persistent) store
+            R.stop_pods(cfg, i)
+            # the images the pods run, into this node's containerd (never pulled: no registry)
+            images.load(R.containerd_address(cfg, i), names=cfg.node_images)
         # A running but (momentarily) unhealthy component is waited for, never restarted: on a
         # loaded machine a slow health check must not take down a cluster that others use.
         if not _alive(_pid(cfg, name), _marker(cfg, name)):
@@ -509,6 +591,7 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
         _wait(cfg, name, timeout)
         if name == "kube-apiserver":
             _wait_default_ready(cfg)
+            _ensure_dns_service(cfg)
     _wait_service_accounts(cfg, timeout)
     log(f"cluster up in {time.time() - t0:.1f}s: source {cfg.env_file}")
     return cfg
@@ -524,6 +607,16 @@ def _wait_default_ready(cfg: C.ClusterConfig) -> None:
         except (ApiError, OSError):
             time.sleep(0.5)
     raise RuntimeError("namespace default never appeared")
+
+
+def _ensure_dns_service(cfg: C.ClusterConfig) -> None:
+    kube = Kube.from_state(cfg)
+    for path, obj in R.dns_service_manifests(cfg):
+        try:
+            kube.create(path, obj)
+        except ApiError as e:
+            if e.status != 409:
+                raise
 
 
 def _wait_service_accounts(cfg: C.ClusterConfig, timeout: float) -> None:
@@ -542,17 +635,11 @@ def _wait_service_accounts(cfg: C.ClusterConfig, timeout: float) -> None:
 
 
 def _clean(cfg: C.ClusterConfig) -> None:
+    for i in range(len(cfg.nodes)):
+        R.kill_containers(cfg, i)
     remove_network(cfg)
+    R.remove_host_state(cfg)
     if cfg.state_dir.exists():
-        # mount points the agent had to create on the host for pod volumes (empty directories)
-        created = cfg.state_dir / "created-mountpoints"
-        if created.exists():
-            for p in sorted(set(created.read_text().split("\n")), key=len, reverse=True):
-                if p:
-                    try:
-                        Path(p).rmdir() if Path(p).is_dir() else Path(p).unlink()
-                    except OSError:
-                        pass
         shutil.rmtree(cfg.state_dir, ignore_errors=True)
 
 
@@ -565,7 +652,9 @@ def down(cfg: C.ClusterConfig | None = None) -> None:
 
 def _down(cfg: C.ClusterConfig) -> None:
     if cfg.pids.exists():
-        for name in ("kueue", "kwok") + tuple(reversed(COMPONENTS)):  # optional: kueue.py, kwok.py
+        for name in ("kueue", "kwok") + tuple(reversed(components(cfg))):  # optional: kueue.py, kwok.py
+            if name.startswith("containerd-"):
+                R.stop_pods(cfg, _node_index(name))
             _stop(cfg, name)
     _clean(cfg)
     log(f"cluster down ({cfg.state_dir} removed)")
@@ -577,7 +666,8 @@ def kubeconfig_path(cfg: C.ClusterConfig | None = None) -> Path:
 
 def leftover_processes(cfg: C.ClusterConfig | None = None) -> list[str]:
     """Live (non-zombie) processes that belong to this cluster: a command line naming its state
-    directory, or living in one of its pod network namespaces."""
+    directory or its socket directory (containerd shims), a root file system under its state
+    directory (containers), or living in one of its pod network namespaces."""
     cfg = cfg or C.load()
     out = []
     me = os.getpid()
@@ -588,10 +678,14 @@ def leftover_processes(cfg: C.ClusterConfig | None = None) -> list[str]:
             cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if cmd and str(cfg.state_dir) in cmd:
+        if cmd and (str(cfg.state_dir) in cmd or str(R.socket_dir(cfg)) in cmd):
             out.append(f"{d.name}: {cmd[:200]}")
-    for line in _sh("ip", "netns", "list", check=False).stdout.splitlines():
-        ns = line.split()[0] if line.split() else ""
-        if ns.startswith(cfg.netns_prefix):
-            out += [f"{p}: in netns {ns}" for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
+            continue
+        try:
+            if cmd and os.readlink(d / "root").startswith(str(cfg.state_dir)):
+                out.append(f"{d.name}: {cmd[:200]} (container)")
+        except OSError:
+            pass
+    for ns in R.pod_netns(cfg):
+        out += [f"{p}: in netns {ns}" for p in _sh("ip", "netns", "pids", ns, check=False).stdout.split()]
     return out

@@ -27,7 +27,7 @@ def _versions() -> dict[str, str]:
 
 VERSIONS = _versions()
 
-# The node agent simulates the loss of a Node carrying this annotation (see nodes.node_lost).
+# nodes.node_lost() marks the Node it takes down with this annotation until node_restore().
 LOST_ANNOTATION = "localcluster.sftjob.io/lost"
 
 
@@ -36,9 +36,10 @@ def cache_dir() -> Path:
 
 
 def bin_dir(component: str) -> Path:
-    """The cached bin/ directory of one component (k8s, etcd, helm, minio, kwok, kueue)."""
+    """The cached bin/ directory of one component (k8s, etcd, helm, minio, kwok, coredns, kueue)."""
     key = {"k8s": "K8S_VERSION", "etcd": "ETCD_VERSION", "helm": "HELM_VERSION",
-           "minio": "MINIO_VERSION", "kwok": "KWOK_VERSION", "kueue": "KUEUE_VERSION"}[component]
+           "minio": "MINIO_VERSION", "kwok": "KWOK_VERSION", "kueue": "KUEUE_VERSION",
+           "coredns": "COREDNS_VERSION"}[component]
     return cache_dir() / f"{component}-{VERSIONS[key]}" / "bin"
 
 
@@ -56,13 +57,16 @@ class ClusterConfig:
     kcm_port: int
     scheduler_port: int
     kubelet_port: int
+    kube_proxy_port: int          # healthz
+    kube_proxy_metrics_port: int
+    dns_health_port: int
     nodes: tuple[str, ...]
-    node_cpu: str
-    node_memory: str
     node_pods: str
-    # Prefix of the network namespaces and veth devices this cluster creates (short: the Linux
-    # interface name limit is 15 characters).
-    netns_prefix: str
+    # kube-proxy's iptables chains have fixed names in the host's network namespace: only one
+    # cluster per machine can route Services. A second cluster (the lifecycle test) runs without.
+    service_proxy: bool
+    # what `up` imports into each node's containerd (hack/localcluster/images.py names)
+    node_images: tuple[str, ...]
 
     @property
     def host_ip(self) -> str:
@@ -102,10 +106,6 @@ class ClusterConfig:
         return self.state_dir / "pids"
 
     @property
-    def pods_dir(self) -> Path:
-        return self.state_dir / "pods"
-
-    @property
     def secrets_file(self) -> Path:
         return self.state_dir / "secrets.json"
 
@@ -125,9 +125,11 @@ def load(environ: dict[str, str] | None = None) -> ClusterConfig:
         kcm_port=int(e.get("SFTJOB_KCM_PORT", "10257")),
         scheduler_port=int(e.get("SFTJOB_SCHEDULER_PORT", "10259")),
         kubelet_port=int(e.get("SFTJOB_KUBELET_PORT", "10250")),
+        kube_proxy_port=int(e.get("SFTJOB_KUBE_PROXY_PORT", "10256")),
+        kube_proxy_metrics_port=int(e.get("SFTJOB_KUBE_PROXY_METRICS_PORT", "10249")),
+        dns_health_port=int(e.get("SFTJOB_DNS_HEALTH_PORT", "10280")),
         nodes=tuple(f"{prefix}{i}" for i in range(n_nodes)),
-        node_cpu=e.get("SFTJOB_NODE_CPU", "8"),
-        node_memory=e.get("SFTJOB_NODE_MEMORY", "32Gi"),
         node_pods=e.get("SFTJOB_NODE_PODS", "20"),
-        netns_prefix=e.get("SFTJOB_NETNS_PREFIX", "sftj"),
+        service_proxy=e.get("SFTJOB_SERVICE_PROXY", "1") not in ("0", "false", "no"),
+        node_images=tuple(e.get("SFTJOB_NODE_IMAGES", "pause,operator,trainer").split(",")),
     )

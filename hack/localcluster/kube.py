@@ -1,7 +1,7 @@
 """A very small Kubernetes REST client on the standard library.
 
-The control-plane scripts and the node agent use it instead of the `kubernetes` package so that
-`make cluster-up` needs nothing beyond python3 (the project's .venv is only needed by the pods).
+The control-plane scripts use it instead of the `kubernetes` package so that `make cluster-up`
+needs nothing beyond python3.
 """
 from __future__ import annotations
 
@@ -62,6 +62,21 @@ class Kube:
 
     def get(self, path: str, **params) -> Any:
         return self.request("GET", path, params=params or None)
+
+    def text(self, path: str, **params) -> str:
+        """GET a plain-text subresource (a pod's log)."""
+        if params:
+            path += "?" + urllib.parse.urlencode(params)
+        conn = self._conn(30)
+        try:
+            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}"})
+            resp = conn.getresponse()
+            text = resp.read().decode(errors="replace")
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            raise ApiError(resp.status, text, "GET", path)
+        return text
 
     def create(self, path: str, body: Any) -> Any:
         return self.request("POST", path, body)

@@ -1,6 +1,6 @@
 """Fake nodes for scale tests: kwok (kubernetes-sigs/kwok) keeps Nodes annotated
 `kwok.x-k8s.io/node=fake` Ready and plays their pods' lifecycle (Running, then Succeeded for Job
-pods, deletion) without running anything. The node agent ignores these nodes.
+pods, deletion) without running anything; no kubelet serves them.
 
 Pods land on a fake node only if they tolerate the `kwok.x-k8s.io/node=fake:NoSchedule` taint,
 so ordinary test pods keep running on the agent's real nodes.
@@ -51,8 +51,8 @@ def kwok_up(nodes: int = 10, cfg: C.ClusterConfig | None = None, cpu: str = "32"
         while True:
             conds = kube.get(f"/api/v1/nodes/{name}")["status"].get("conditions") or []
             if any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
-                # The API server taints every new Node not-ready; the node lifecycle controller
-                # (not run here: the node agent plays that part for its own nodes) would lift it.
+                # The API server taints every new Node not-ready; set the fake-node taint in its
+                # place at once rather than wait for the node lifecycle controller.
                 kube.merge_patch(f"/api/v1/nodes/{name}", {"spec": {"taints": [TAINT]}})
                 break
             if time.time() > deadline:

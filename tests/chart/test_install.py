@@ -1,9 +1,10 @@
 """The chart on the local cluster: server-side validation, install -> example Succeeded ->
 upgrade with a changed CRD -> uninstall, and every RBAC verb taken away in turn.
 
-The operator installed by the chart runs as a pod of the chart's Deployment (the node agent
-runs it as a local process, without the image, with the projected ServiceAccount token and
-no kubeconfig), so everything it does goes through the chart's RBAC. Its namespace and the
+The operator installed by the chart runs as a pod of the chart's Deployment, from the image
+`make images` built, with the projected ServiceAccount token and no kubeconfig, reaching the
+API server through the `kubernetes` Service, so everything it does goes through the chart's
+RBAC. Its namespace and the
 job's namespace enforce the `restricted` Pod Security Standard, so the API server itself
 refuses an operator or training pod that could run as root or escalate privileges.
 

@@ -11,9 +11,13 @@ import uuid
 
 import pytest
 
+from hack import localcluster
 from tests.fixtures.cluster import wait_for
 
 pytestmark = pytest.mark.cluster
+
+# imported into every node by `up` (make images); pods never pull
+TRAINER_IMAGE = localcluster.images.image_refs()["trainer"]
 
 
 def crd_yaml(group: str) -> str:
@@ -133,9 +137,10 @@ def test_kubectl_apply_get_wait(cluster, namespace):
           restartPolicy: Never
           containers:
           - name: main
-            image: sftjob/not-pulled:latest
+            image: TRAINER_IMAGE
+            imagePullPolicy: Never
             command: [python, -c, "import time; time.sleep(300)"]
-        """)
+        """).replace("TRAINER_IMAGE", TRAINER_IMAGE)
     out = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest).stdout
     assert "configmap/settings created" in out and "pod/waiter created" in out
     again = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest).stdout
@@ -178,9 +183,9 @@ def test_helm_install_small_chart(cluster, namespace, tmp_path):
               terminationGracePeriodSeconds: 2
               containers:
               - name: app
-                image: example/app:1
+                image: {TRAINER_IMAGE}
                 command: [python, -c, "import time; time.sleep(3600)"]
-        """))
+        """).replace("{TRAINER_IMAGE}", TRAINER_IMAGE))
     cluster.helm("install", "rel", str(chart), "-n", namespace, "--set", "message=from-helm", "--wait", "--timeout", "120s")
     releases = json.loads(cluster.helm("list", "-n", namespace, "-o", "json").stdout)
     assert [(r["name"], r["status"]) for r in releases] == [("rel", "deployed")]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from hack import localcluster
 from hack.localcluster import config as C
+from hack.localcluster import realnodes
 
 pytestmark = pytest.mark.cluster
 
@@ -40,12 +42,13 @@ def free_ports(n: int) -> list[int]:
 
 def test_up_is_idempotent_and_down_leaves_nothing(tmp_path):
     # own ports, picked free, so that nothing else on the machine is mistaken for a component
-    api, etcd, peer, minio, kcm, sched, kubelet = free_ports(7)
+    api, etcd, peer, minio, kcm, sched, kubelet, dns = free_ports(8)
     env = {**os.environ, "SFTJOB_CLUSTER_DIR": str(tmp_path / "c2"), "SFTJOB_CLUSTER_BRIDGE": "sftjob9",
            "SFTJOB_CLUSTER_SUBNET": "10.245.0.0/16", "SFTJOB_APISERVER_PORT": str(api),
            "SFTJOB_ETCD_PORT": str(etcd), "SFTJOB_ETCD_PEER_PORT": str(peer), "SFTJOB_MINIO_PORT": str(minio),
            "SFTJOB_KCM_PORT": str(kcm), "SFTJOB_SCHEDULER_PORT": str(sched), "SFTJOB_KUBELET_PORT": str(kubelet),
-           "SFTJOB_NETNS_PREFIX": "sftk", "SFTJOB_NODES": "1", "SFTJOB_NODE_PREFIX": "lifecycle-node-"}
+           "SFTJOB_DNS_HEALTH_PORT": str(dns), "SFTJOB_SERVICE_PROXY": "0", "SFTJOB_NODE_IMAGES": "pause",
+           "SFTJOB_NODES": "1", "SFTJOB_NODE_PREFIX": "lifecycle-node-"}
     cfg = C.load(env)
 
     def cli(*args):
@@ -67,7 +70,8 @@ def test_up_is_idempotent_and_down_leaves_nothing(tmp_path):
         cold = time.time() - t0
         assert all(localcluster.status(cfg).values()), localcluster.status(cfg)
         pids = {p.name: p.read_text() for p in cfg.pids.glob("*.pid")}
-        assert set(pids) == {f"{n}.pid" for n in localcluster.cluster.COMPONENTS}
+        assert set(pids) == {f"{n}.pid" for n in localcluster.cluster.components(cfg)}
+        assert {"containerd-0.pid", "kubelet-0.pid", "coredns.pid"} <= set(pids)
         assert localcluster.cluster.stale_components(cfg) == []
 
         t0 = time.time()
@@ -81,6 +85,9 @@ def test_up_is_idempotent_and_down_leaves_nothing(tmp_path):
         print(f"second cluster: start {cold:.1f}s")
     finally:
         down = cli("down")
+    # its nodes' image stores (pause only) live in the binary cache: this cluster is gone for good
+    for i in range(len(cfg.nodes)):
+        shutil.rmtree(realnodes.store_dir(cfg, i), ignore_errors=True)
     assert down.returncode == 0, down.stderr
     assert localcluster.leftover_processes(cfg) == []
     assert not cfg.state_dir.exists()

@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from hack import localcluster
+
 from tests.fixtures.cluster import load_env_file
 
 pytestmark = pytest.mark.cluster
@@ -53,7 +55,8 @@ def test_pod_writes_to_minio(cluster, namespace, s3_bucket):
     cluster.kube.create(f"/api/v1/namespaces/{namespace}/pods", {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "uploader"},
         "spec": {"restartPolicy": "Never", "containers": [{
-            "name": "main", "image": "sftjob/trainer:dev", "command": ["python", "-c", script],
+            "name": "main", "image": localcluster.images.image_refs()["trainer"], "imagePullPolicy": "Never",
+            "command": ["python", "-c", script],
             "env": [{"name": "AWS_ENDPOINT_URL", "value": e["AWS_ENDPOINT_URL"]},
                     {"name": "AWS_REGION", "value": "us-east-1"}],
             "envFrom": [{"secretRef": {"name": "s3"}}]}]}})

@@ -1,9 +1,13 @@
-"""The node agent runs pods as real processes: DNS between pods, torch.distributed over the pod
-network, exit codes and termination messages, graceful deletion, eviction and node loss."""
+"""Pods on the real nodes (kubelet + containerd + runc, from the locally built images): DNS and
+Services between pods, torch.distributed over the pod network, exit codes and termination
+messages, graceful deletion, eviction, OOM kills, security contexts, missing images, node loss,
+and `kubectl logs/exec/port-forward`."""
 from __future__ import annotations
 
 import json
+import re
 import socket
+import subprocess
 import struct
 import textwrap
 import threading
@@ -13,15 +17,19 @@ import urllib.request
 import pytest
 
 from hack import localcluster
+from hack.localcluster import realnodes
 from tests.fixtures.cluster import wait_for
 
 pytestmark = pytest.mark.cluster
 
-IMAGE = "sftjob/trainer:dev"  # recorded, never pulled
+# The trainer image as `make images` builds it (python, torch, uid 1000); imported into every
+# node's containerd, never pulled.
+IMAGE = localcluster.images.image_refs()["trainer"]
 
 
 def pod(name: str, script: str, **spec) -> dict:
-    container = {"name": "main", "image": IMAGE, "command": ["python", "-c", textwrap.dedent(script)]}
+    container = {"name": "main", "image": IMAGE, "imagePullPolicy": "Never",
+                 "command": ["python", "-c", textwrap.dedent(script)]}
     container.update(spec.pop("container", {}))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": spec.pop("labels", {})},
             "spec": {"restartPolicy": "Never", "containers": [container], **spec}}
@@ -36,8 +44,18 @@ def terminated(p: dict) -> dict:
     return p["status"]["containerStatuses"][0]["state"]["terminated"]
 
 
-def container_pid(p: dict) -> int:
-    return int(p["status"]["containerStatuses"][0]["containerID"].split("://")[1])
+def container_pid(cluster, p: dict) -> int:
+    """The host pid of the pod's first container, from its node's containerd."""
+    cid = p["status"]["containerStatuses"][0]["containerID"]
+    assert cid.startswith("containerd://"), cid
+    i = cluster.cfg.nodes.index(p["spec"]["nodeName"])
+    out = subprocess.run(["ctr", "--address", realnodes.containerd_address(cluster.cfg, i), "-n", "k8s.io",
+                          "tasks", "ls"], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines()[1:]:
+        task, pid, status = line.split()[:3]
+        if task == cid.split("://")[1]:
+            return int(pid)
+    raise AssertionError(f"no task {cid} on {p['spec']['nodeName']}:\n{out}")
 
 
 def pid_alive(pid: int) -> bool:
@@ -116,7 +134,7 @@ def test_two_pods_find_each_other_and_allreduce(cluster, namespace):
         assert terminated(p)["reason"] == "Completed" and terminated(p)["exitCode"] == 0
     # the names resolve only while the pods run: both have finished now
     assert dns_rcode(cluster, f"ar-0.ar.{namespace}.svc.cluster.local") == 3  # NXDOMAIN
-    assert dns_rcode(cluster, f"kubernetes.default.svc.cluster.local") == 0
+    assert dns_rcode(cluster, "kubernetes.default.svc.cluster.local") == 0
 
 
 def dns_rcode(cluster, name: str) -> int:
@@ -163,7 +181,7 @@ while True:
 def test_delete_sends_sigterm_and_keeps_exit_code(cluster, namespace):
     create(cluster, namespace, pod("graceful", SIGTERM_HANDLER, terminationGracePeriodSeconds=20))
     p = cluster.wait_pod_phase(namespace, "graceful", "Running")
-    pid = container_pid(p)
+    pid = container_pid(cluster, p)
     assert pid_alive(pid)
     wait_for(lambda: "ready" in cluster.pod_log(namespace, "graceful"), 30, what="handler installed")
     watch = PodEvents(cluster, namespace, "graceful")
@@ -185,6 +203,7 @@ def test_grace_period_then_sigkill(cluster, namespace):
         time.sleep(3600)
         """, terminationGracePeriodSeconds=3))
     p = cluster.wait_pod_phase(namespace, "stubborn", "Running")
+    pid = container_pid(cluster, p)
     wait_for(lambda: "ignoring" in cluster.pod_log(namespace, "stubborn"), 30, what="handler installed")
     watch = PodEvents(cluster, namespace, "stubborn")
     t0 = time.time()
@@ -194,7 +213,7 @@ def test_grace_period_then_sigkill(cluster, namespace):
     st = watch.last_status()
     assert st["containerStatuses"][0]["state"]["terminated"]["exitCode"] == 137  # 128 + SIGKILL
     assert st["phase"] == "Failed"
-    assert not pid_alive(container_pid(p))
+    assert not pid_alive(pid)
 
 
 def test_eviction_api_stops_pod_gracefully(cluster, namespace):
@@ -242,6 +261,7 @@ open("/dev/termination-log", "w").write(json.dumps(out))
 
 def test_env_volumes_and_serviceaccount(cluster, namespace, tmp_path):
     (tmp_path / "marker").write_text("from the host")
+    tmp_path.chmod(0o755)  # the pod runs as uid 1000: pytest's directory is root's alone
     create(cluster, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
                                 "data": {"mode": "fast", "settings.yaml": "lr: 0.1\n"}})
     create(cluster, namespace, {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "creds"},
@@ -273,7 +293,8 @@ def test_env_volumes_and_serviceaccount(cluster, namespace, tmp_path):
     assert env["MY_POD"] == "inspect" and env["MY_NS"] == namespace and env["MY_IP"] == p["status"]["podIP"]
     assert (env["FROM_CM"], env["FROM_SECRET"], env["CFG_mode"]) == ("fast", "s3cr3t", "fast")
     assert env["EXPANDED"] == "pod=inspect"
-    assert env["PATH"].startswith(str(localcluster.config.REPO / ".venv" / "bin") + ":")
+    # the image's own environment, nothing of the checkout or its .venv
+    assert env["PATH"].startswith("/opt/venv/bin:") and str(localcluster.config.REPO) not in env["PATH"]
     assert out["cwd"] == "/tmp"
     assert out["cm_file"] == "lr: 0.1\n" and out["secret_file"] == "s3cr3t"
     assert out["scratch_writable"] and out["cm_readonly"]
@@ -308,36 +329,40 @@ def test_host_reaches_pod_ip(cluster, namespace):
     body = wait_for(lambda: urllib.request.urlopen(f"http://{ip}:8080/hosts", timeout=3).read().decode(), 30,
                     what="pod HTTP server")
     assert f"{ip}\tweb" in body
-    assert p["status"]["hostIP"] == cluster.cfg.host_ip
+    i = cluster.cfg.nodes.index(p["spec"]["nodeName"])
+    assert p["status"]["hostIP"] == realnodes.node_ip(cluster.cfg, i)
 
 
 def test_node_loss(cluster, namespace):
+    """A killed kubelet: the controller manager marks the Node Ready=Unknown and taints it, the
+    pod is marked not ready, its container is gone, nothing new lands there; restarted, the
+    kubelet reports the pod Failed and runs new pods."""
     node = cluster.cfg.nodes[-1]
     sel = {"kubernetes.io/hostname": node}
     create(cluster, namespace, pod("doomed", "import time; time.sleep(3600)", nodeSelector=sel))
     p = cluster.wait_pod_phase(namespace, "doomed", "Running")
     assert p["spec"]["nodeName"] == node
-    pid = container_pid(p)
+    pid = container_pid(cluster, p)
     try:
         localcluster.node_lost(node)
-        p = cluster.wait_pod_phase(namespace, "doomed", "Failed", timeout=60)
-        assert p["status"]["reason"] == "NodeLost"
-        conds = {c["type"]: c for c in p["status"]["conditions"]}
-        assert conds["DisruptionTarget"]["status"] == "True"
-        assert not pid_alive(pid)
         n = cluster.kube.get(f"/api/v1/nodes/{node}")
         assert {c["type"]: c["status"] for c in n["status"]["conditions"]}["Ready"] == "Unknown"
-        assert {"node.kubernetes.io/unreachable"} == {t["key"] for t in n["spec"]["taints"]}
+        wait_for(lambda: "node.kubernetes.io/unreachable" in {t["key"] for t in cluster.kube.get(
+            f"/api/v1/nodes/{node}")["spec"].get("taints") or []}, 30, what="unreachable taint")
+        assert not pid_alive(pid)
+        wait_for(lambda: {c["type"]: c["status"] for c in cluster.pod(namespace, "doomed")["status"]["conditions"]}
+                 ["Ready"] == "False", 30, what="pod marked not ready")
         # nothing new lands on a lost node
         create(cluster, namespace, pod("next", "print('hi')", nodeSelector=sel))
         time.sleep(3)
         assert cluster.pod(namespace, "next")["status"]["phase"] == "Pending"
     finally:
         localcluster.node_restore(node)
-    assert cluster.wait_pod_phase(namespace, "next", ("Succeeded", "Failed"))["status"]["phase"] == "Succeeded"
+    assert cluster.wait_pod_phase(namespace, "next", ("Succeeded", "Failed"), timeout=120)["status"]["phase"] == "Succeeded"
+    assert cluster.wait_pod_phase(namespace, "doomed", "Failed", timeout=120)["status"]["phase"] == "Failed"
 
 
-def test_kubectl_logs(cluster, namespace):
+def test_kubectl_logs_exec_and_port_forward(cluster, namespace):
     create(cluster, namespace, pod("talker", """
         import time
         for i in range(3):
@@ -345,7 +370,102 @@ def test_kubectl_logs(cluster, namespace):
             time.sleep(1)
         """))
     cluster.wait_pod_phase(namespace, "talker", ("Running", "Succeeded"))
-    # -f streams until the container ends, through the API server's proxy to the node agent
+    # -f streams until the container ends, through the API server's proxy to the kubelet
     followed = cluster.kubectl("logs", "-n", namespace, "-f", "talker", timeout=60).stdout
     assert followed.splitlines() == ["line 0", "line 1", "line 2"]
     assert cluster.kubectl("logs", "-n", namespace, "talker", "--tail=1").stdout == "line 2\n"
+
+    create(cluster, namespace, pod("server", """
+        import http.server as h
+        h.test(h.SimpleHTTPRequestHandler, port=8080, bind="0.0.0.0")
+        """, container={"workingDir": "/etc"}))
+    cluster.wait_pod_phase(namespace, "server", "Running")
+    out = cluster.kubectl("exec", "-n", namespace, "server", "--", "sh", "-c", "id -u; cat /etc/hostname").stdout
+    assert out.split() == ["1000", "server"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, **cluster.env}
+    pf = subprocess.Popen([cluster.kubectl_path, "port-forward", "-n", namespace, "pod/server", f"{port}:8080"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        body = wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/hostname", timeout=3).read().decode(),
+                        30, what="port-forward")
+        assert body.strip() == "server"
+    finally:
+        pf.terminate()
+        pf.wait(10)
+
+
+def test_security_context_is_enforced(cluster, namespace):
+    """The runtime applies what the pod asks: uid/gid, no privilege escalation, a read-only root
+    file system, dropped capabilities; runAsNonRoot refuses an image user 0."""
+    create(cluster, namespace, pod("locked", """
+        import json, os
+        try:
+            open("/etc/probe", "w")
+            rootfs = "writable"
+        except OSError as e:
+            rootfs = e.strerror
+        status = open("/proc/self/status").read()
+        caps = [l.split()[1] for l in status.splitlines() if l.startswith("CapEff")][0]
+        nnp = [l.split()[1] for l in status.splitlines() if l.startswith("NoNewPrivs")][0]
+        open("/dev/termination-log", "w").write(json.dumps(
+            {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "rootfs": rootfs, "caps": caps, "nnp": nnp}))
+        """, securityContext={"runAsUser": 2345, "runAsGroup": 3456, "fsGroup": 4567, "runAsNonRoot": True},
+        container={"securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                       "capabilities": {"drop": ["ALL"]}}}))
+    p = cluster.wait_pod_phase(namespace, "locked", ("Succeeded", "Failed"))
+    assert p["status"]["phase"] == "Succeeded", cluster.pod_log(namespace, "locked")
+    out = json.loads(terminated(p)["message"])
+    assert (out["uid"], out["gid"]) == (2345, 3456) and 4567 in out["groups"]
+    assert out["rootfs"] == "Read-only file system"
+    assert int(out["caps"], 16) == 0 and out["nnp"] == "1"
+
+    create(cluster, namespace, pod("asroot", "print('should not run')", securityContext={"runAsNonRoot": True},
+                                   container={"securityContext": {"runAsUser": 0}}))
+
+    def refused():
+        st = cluster.pod(namespace, "asroot").get("status", {}).get("containerStatuses") or []
+        w = st[0]["state"].get("waiting", {}) if st else {}
+        return w if w.get("reason") == "CreateContainerConfigError" else None
+
+    assert "non-root" in wait_for(refused, 60, what="runAsNonRoot refusal")["message"]
+
+
+def test_memory_limit_is_enforced_by_oom_kill(cluster, namespace):
+    create(cluster, namespace, pod("hog", """
+        blocks = []
+        while True:
+            blocks.append(bytearray(16 << 20))
+        """, container={"resources": {"limits": {"memory": "128Mi"}, "requests": {"memory": "128Mi"}}}))
+    p = cluster.wait_pod_phase(namespace, "hog", ("Succeeded", "Failed"), timeout=120)
+    t = terminated(p)
+    assert (p["status"]["phase"], t["reason"], t["exitCode"]) == ("Failed", "OOMKilled", 137)
+
+
+def test_missing_image_is_never_pulled(cluster, namespace):
+    spec = pod("ghost", "print('unreachable')")
+    spec["spec"]["containers"][0]["image"] = "localhost/sftjob/does-not-exist:0"
+    create(cluster, namespace, spec)
+
+    def waiting():
+        st = cluster.pod(namespace, "ghost").get("status", {}).get("containerStatuses") or []
+        w = st[0]["state"].get("waiting", {}) if st else {}
+        return w if w.get("reason") == "ErrImageNeverPull" else None
+
+    w = wait_for(waiting, 60, what="ErrImageNeverPull")
+    assert "localhost/sftjob/does-not-exist:0" in w["message"]
+    assert cluster.pod(namespace, "ghost")["status"]["phase"] == "Pending"
+
+
+def test_nodes_are_real_kubelets_on_containerd(cluster):
+    out = cluster.kubectl("get", "nodes", "-o", "wide", "--no-headers").stdout
+    rows = [line.split() for line in out.splitlines()]
+    assert sorted(r[0] for r in rows) == sorted(cluster.cfg.nodes)
+    for r in rows:
+        assert r[1] == "Ready" and r[-1].startswith("containerd://"), r
+    for i, node in enumerate(cluster.cfg.nodes):
+        info = cluster.kube.get(f"/api/v1/nodes/{node}")["status"]["nodeInfo"]
+        assert info["kubeletVersion"] == localcluster.config.VERSIONS["K8S_VERSION"]
+        assert re.match(r"containerd://1\.", info["containerRuntimeVersion"])

@@ -1,7 +1,7 @@
 """Acceptance tests of the SFTJob operator on the local cluster, with real trainer pods.
 
 The operator runs as a real process (`sftjob-operator --all-namespaces`); the trainer pods
-are run by the local cluster's node agent on the tiny assets in its MinIO. Tests that take
+run in containers on the local cluster's kubelets, on the tiny assets in its MinIO. Tests that take
 the operator down at random points (acceptance 6) do it during the preemption and suspend
 runs, and then check that no second gang ever ran beside the first and that no status
 counter ever went backwards.

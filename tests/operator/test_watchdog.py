@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def trainer_pids(job: str, rank: int) -> list[int]:
-    """Host PIDs of one rank's processes (the local node agent runs pods as processes)."""
+    """Host PIDs of one rank's processes (containers' processes are host processes, in their
+    own namespaces)."""
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -43,7 +44,7 @@ def test_frozen_rank_is_restarted_by_the_progress_deadline(cluster, scoped_opera
                        lambda j: j if j["status"].get("restarts", {}).get("failures") else None,
                        240, what="the watchdog's restart")
     finally:
-        for pid in frozen:  # let the kubelet stand-in's SIGTERM/SIGKILL reach them
+        for pid in frozen:  # let the kubelet's SIGTERM/SIGKILL reach them
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
