@@ -501,25 +501,36 @@ def _write_archive(name: str, ref: str, key: str, cache: Path, started: float, l
     buildah = need("buildah")
     final = cache / f"{name}-{key}.tar"
     tmp = cache / f".{name}-{key}.tar.tmp"
+    # Only the current archive of each image is kept (the trainer's is GBs); the stale one
+    # goes first, so the disk never holds both.
+    for old in cache.glob(f"{name}-*"):
+        if re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{16}}\.(tar|json)", old.name) and old.name != final.name:
+            old.unlink(missing_ok=True)
     tmp.unlink(missing_ok=True)
-    _run([buildah, "push", "--quiet", ref, f"docker-archive:{tmp}:{ref}"], logfile=logfile, verbose=verbose,
-         env=_buildah_env(cache))
-    image_id = _archive_image_id(tmp)
-    stored = _storage_image_id(ref)
-    if stored != image_id:
-        raise ImagesError(f"{ref}: the archive holds {image_id}, buildah's storage {stored}")
-    os.replace(tmp, final)
+    try:
+        _run([buildah, "push", "--quiet", ref, f"docker-archive:{tmp}:{ref}"], logfile=logfile, verbose=verbose,
+             env=_buildah_env(cache))
+        image_id = _archive_image_id(tmp)
+        stored = _storage_image_id(ref)
+        if stored != image_id:
+            raise ImagesError(f"{ref}: the archive holds {image_id}, buildah's storage {stored}")
+        os.replace(tmp, final)
+    except ImagesError as e:
+        tmp.unlink(missing_ok=True)
+        if "no space left on device" in str(e):
+            free = shutil.disk_usage(cache).free
+            raise ImagesError(f"{e}\nthe disk of {cache} is full ({_human(free)} free now): "
+                              "the trainer's archive needs about 6 GB") from None
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     img = ImageRef(name=name, ref=ref, key=key, archive=final, image_id=image_id, size=final.stat().st_size,
                    built_at=time.time(), build_seconds=round(time.monotonic() - started, 1))
     stamp = _stamp(cache, name, key)
     stamp_tmp = stamp.with_suffix(".json.tmp")
     stamp_tmp.write_text(json.dumps(img.to_json(), indent=1) + "\n")
     os.replace(stamp_tmp, stamp)
-    # Only the current archive of each image is kept (the trainer's is GBs).
-    for old in cache.glob(f"{name}-*"):
-        if old.suffix in (".tar", ".json") and old.name not in (final.name, stamp.name) \
-                and re.fullmatch(rf"{re.escape(name)}-[0-9a-f]{{16}}\.(tar|json)", old.name):
-            old.unlink(missing_ok=True)
     return img
 
 
