@@ -47,9 +47,19 @@ chart-test: install $(HELM) $(CHECKOV) ## Chart unit tests: lint, schema typos, 
 chart-test-cluster: install ## Chart on the local cluster: install, example to Succeeded, upgrade, uninstall, RBAC
 	$(PY) -m pytest tests/chart -m cluster $(PYTEST_ARGS)
 
-images: ## docker build the operator and trainer images (needs docker; IMAGE_REGISTRY, IMAGE_TAG)
-	docker build -f images/operator/Dockerfile -t $(OPERATOR_IMAGE) .
-	docker build -f images/trainer/Dockerfile -t $(TRAINER_IMAGE) .
+# With a docker engine: docker build, the published bases. Without one (this project's
+# machines): hack/localcluster/images.py builds the base, pause, operator and trainer images
+# with buildah on a Debian base made here (CPU trainer, no flash-attn) and caches them as
+# archives under $(SFTJOB_CACHE)/images (images/README.md).
+images: ## Build the operator and trainer images: docker build if a docker engine answers, else buildah here (images/README.md)
+	@if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then \
+	  set -x; \
+	  docker build -f images/operator/Dockerfile -t $(OPERATOR_IMAGE) . && \
+	  docker build -f images/trainer/Dockerfile -t $(TRAINER_IMAGE) .; \
+	else \
+	  echo "no docker engine answers: building with buildah (hack/localcluster/images.py)"; \
+	  SFTJOB_CACHE=$(SFTJOB_CACHE) $(PYTHON) -m hack.localcluster.images --operator-image $(OPERATOR_IMAGE) --trainer-image $(TRAINER_IMAGE) build; \
+	fi
 
 # Not runnable on the project's own machines (no docker): kind cluster, images, chart, MinIO,
 # the example's assets, the example, and a wait for Succeeded. Needs docker, kind, kubectl, helm.

@@ -1,0 +1,232 @@
+"""The images as a node runs them: built (or reused from the cache) by
+hack/localcluster/images.py, imported with load() into a throwaway containerd of this test's
+own, and run with ctr and runc as the kubelet's containerd would run them.
+
+Needs root, buildah, mmdebstrap, gcc, containerd, ctr, runc and nsenter; a cold build of the
+trainer image takes a while (torch), a warm one seconds."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from hack.localcluster import images
+
+pytestmark = pytest.mark.slow
+TOOLS = ("buildah", "mmdebstrap", "gcc", "containerd", "ctr", "runc", "containerd-shim-runc-v2", "nsenter")
+CONFIG = """version = 2
+root = "{d}/root"
+state = "{d}/state"
+# Only what `ctr images import` and `ctr run` need: content, overlayfs, runc's shim.
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.opt",
+  "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
+  "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs",
+  "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+[grpc]
+  address = "{d}/c.sock"
+"""
+
+
+def _missing() -> list[str]:
+    return [t for t in TOOLS if not shutil.which(t)]
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, images.ImageRef]:
+    missing = _missing()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (Debian: buildah mmdebstrap gcc libc6-dev containerd runc util-linux)")
+    if os.geteuid() != 0:
+        pytest.skip("needs root (buildah's storage, containerd)")
+    return images.build()
+
+
+@pytest.fixture(scope="module")
+def containerd(built):
+    """A containerd of this module's own (a short path: its socket's name must fit in 108 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="sftjob-ctrd-"))
+    (d / "config.toml").write_text(CONFIG.format(d=d))
+    log = (d / "containerd.log").open("w")
+    proc = subprocess.Popen(["containerd", "--config", str(d / "config.toml")], stdout=log, stderr=subprocess.STDOUT)
+    address = str(d / "c.sock")
+    deadline = time.monotonic() + 30
+    while subprocess.run(["ctr", "--address", address, "version"], capture_output=True).returncode != 0:
+        assert proc.poll() is None, (d / "containerd.log").read_text()
+        assert time.monotonic() < deadline, (d / "containerd.log").read_text()
+        time.sleep(0.2)
+    try:
+        yield address
+    finally:
+        for task in ctr(address, "task", "ls", "-q").split():
+            subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "task", "kill", "-s", "SIGKILL", task],
+                           capture_output=True)
+        for c in ctr(address, "containers", "ls", "-q").split():
+            subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "task", "rm", "-f", c], capture_output=True)
+            subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "containers", "rm", c], capture_output=True)
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        # The snapshots are unmounted with their containers; a leftover mount keeps its files.
+        if subprocess.run(["findmnt", "-rn", "-o", "TARGET"], capture_output=True, text=True).stdout.count(str(d)) == 0:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def ctr(address: str, *args: str, timeout: float = 120) -> str:
+    res = subprocess.run(["ctr", "--address", address, "-n", "k8s.io", *args], capture_output=True, text=True,
+                         timeout=timeout)
+    assert res.returncode == 0, f"ctr {' '.join(args)}: {res.stdout}{res.stderr}"
+    return res.stdout
+
+
+@pytest.fixture(scope="module")
+def loaded(containerd, built):
+    first = images.load(containerd)
+    return containerd, first
+
+
+def run(address: str, ref: str, *cmd: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run cmd in a new container of ref as its image configures it (user, env, workdir)."""
+    return subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "run", "--rm", ref,
+                           f"t-{uuid.uuid4().hex[:10]}", *cmd], capture_output=True, text=True, timeout=timeout)
+
+
+PROBE = ("import json, os, importlib.util as u; print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), "
+         "'home': os.environ.get('HOME'), 'cwd': os.getcwd(), "
+         "'found': {m: u.find_spec(m) is not None for m in ('torch', 'sftjob_operator', 'sftjob_trainer')}}))")
+
+
+def probe(address: str, ref: str, extra: str = "") -> dict:
+    res = run(address, ref, "python3", "-c", extra + PROBE)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_load_imports_once_then_skips(loaded, built):
+    address, first = loaded
+    assert set(first) == set(images.NODE_IMAGES)
+    present = {line.split()[0] for line in ctr(address, "images", "check", "-q").split("\n") if line}
+    assert {built[n].ref for n in images.NODE_IMAGES} <= present
+    started = time.monotonic()
+    again = images.load(address)
+    assert again == {n: "present" for n in images.NODE_IMAGES}
+    assert time.monotonic() - started < 30
+
+
+def test_operator_image_runs_the_operator_without_torch_as_65532(loaded, built):
+    address, _ = loaded
+    out = probe(address, built["operator"].ref, "import sftjob_operator.cli, sftjob_trainer.config; ")
+    assert (out["uid"], out["gid"]) == (65532, 65532)
+    assert out["found"] == {"torch": False, "sftjob_operator": True, "sftjob_trainer": True}
+    # The entrypoint the chart's Deployment runs (its args: --all-namespaces --log-format=json).
+    res = run(address, built["operator"].ref, "sftjob-operator", "--help")
+    assert res.returncode == 0 and "--leader-elect" in res.stdout, res.stdout + res.stderr
+
+
+def test_trainer_image_imports_torch_and_the_trainer_as_1000(loaded, built):
+    address, _ = loaded
+    out = probe(address, built["trainer"].ref,
+                "import torch, sftjob_trainer.launch; assert torch.ones(2, 2).sum().item() == 4; ")
+    assert (out["uid"], out["gid"]) == (1000, 1000)
+    assert out["home"] == out["cwd"] == "/home/trainer"
+    assert out["found"] == {"torch": True, "sftjob_operator": True, "sftjob_trainer": True}
+
+
+def test_trainer_image_trains(loaded, built):
+    """What a single-process SFTJob pod runs (`python -m sftjob_trainer --config ...`), on the
+    tiny assets made in the container's $HOME: two steps, a validation and the export."""
+    address, _ = loaded
+    script = ("python -m sftjob_trainer.assets a --train-rows 64 --val-rows 8 >/dev/null && "
+              "python -m sftjob_trainer --config /examples/trainer-local.yaml model.path=a/model "
+              "'data.train_files=[a/data/chat_train.parquet]' 'data.val_files=[a/data/chat_val.parquet]' "
+              "trainer.total_training_steps=2 trainer.save_freq=2 trainer.test_freq=2 trainer.log_freq=1 "
+              "trainer.output_dir=out && test -s out/hf/final/config.json")
+    res = subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "run", "--rm",
+                          "--mount", f"type=bind,src={images.ROOT / 'examples'},dst=/examples,options=rbind:ro",
+                          "--env", "OMP_NUM_THREADS=1", "--env", "HF_HUB_OFFLINE=1",
+                          built["trainer"].ref, f"t-{uuid.uuid4().hex[:10]}", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "Succeeded: model exported to out/hf/final" in res.stdout + res.stderr
+
+
+def _task_pid(address: str, cid: str) -> int | None:
+    for line in ctr(address, "task", "ls").splitlines()[1:]:
+        fields = line.split()
+        if fields and fields[0] == cid and fields[2] == "RUNNING":
+            return int(fields[1])
+    return None
+
+
+def _start_pause(address: str, ref: str) -> tuple[str, subprocess.Popen, int]:
+    cid = f"pause-{uuid.uuid4().hex[:10]}"
+    proc = subprocess.Popen(["ctr", "--address", address, "-n", "k8s.io", "run", "--rm", ref, cid],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while (pid := _task_pid(address, cid)) is None:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return cid, proc, pid
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_pause_image_sleeps_until_a_stop_signal(loaded, built, sig):
+    address, _ = loaded
+    cid, proc, pid = _start_pause(address, built["pause"].ref)
+    try:
+        time.sleep(1)
+        assert proc.poll() is None, "pause exited on its own"
+        assert Path(f"/proc/{pid}/status").read_text().count("Uid:\t65535") == 1
+        ctr(address, "task", "kill", "-s", sig, cid)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            ctr(address, "task", "kill", "-s", "SIGKILL", cid)
+            proc.wait(timeout=10)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> state of the processes whose parent is pid."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        state, ppid = text.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid:
+            out[int(stat.parent.name)] = state
+    return out
+
+
+def test_pause_image_reaps_orphans(loaded, built):
+    """An orphan of the pod's PID namespace is re-parented to the pause process, PID 1 there;
+    when it exits, pause must reap it instead of leaving a zombie."""
+    address, _ = loaded
+    cid, proc, pid = _start_pause(address, built["pause"].ref)
+    try:
+        # sh, in the container's PID namespace, leaves a sleep behind and exits.
+        subprocess.run(["nsenter", "--target", str(pid), "--pid", "--", "sh", "-c", "sleep 1 & exit 0"], check=True,
+                       timeout=10)
+        deadline = time.monotonic() + 5
+        while not _children(pid):
+            assert time.monotonic() < deadline, "the orphan was not re-parented to pause"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while (kids := _children(pid)):
+            assert time.monotonic() < deadline, f"not reaped: {kids}"
+            time.sleep(0.1)
+        ctr(address, "task", "kill", "-s", "SIGTERM", cid)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            ctr(address, "task", "kill", "-s", "SIGKILL", cid)
+            proc.wait(timeout=10)
