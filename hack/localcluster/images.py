@@ -10,15 +10,16 @@ image. Nothing can be pulled here, so every image is made from local inputs:
 - pause (localhost/sftjob/pause:3.10): images/pause/pause.c built with `gcc -static`, alone in
   an image FROM scratch (containerd's CRI `sandbox_image`);
 - operator, trainer: `buildah bud --isolation chroot --layers` of images/<name>/Dockerfile on
-  the base (the trainer without flash-attn). pip's cache is a cache mount kept under the
-  cache directory, so torch is downloaded once.
+  the base (the trainer without flash-attn). The requirements' wheels stay in a cache mount
+  under the cache directory, so torch is downloaded once.
 
 Each image is keyed by a hash of its inputs (recipe, Dockerfile, its ignore file, build
 arguments, the build context's files that the ignore file lets in, the base image's ID) and
 written as an uncompressed docker-archive to
 ${SFTJOB_CACHE:-~/.cache/sftjob}/images/<name>-<key>.tar, then a stamp <name>-<key>.json;
 an image whose stamp exists is not rebuilt. `load(address)` imports the node images into one
-containerd (namespace k8s.io), skipping those it already holds with the same config digest.
+containerd (namespace k8s.io), skipping those it already holds with the same config digest
+and sending only the layers it lacks (a source edit: one small layer).
 
     from hack.localcluster import images
     images.build()                                  # {"base": ImageRef, ...}
@@ -47,7 +48,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("base", "pause", "operator", "trainer")
@@ -697,14 +698,16 @@ def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None
         assert proc.stdin is not None
         try:
             sent = _oci_layout(img.archive, img.ref, have, proc.stdin)
-            proc.stdin.close()
-        except BrokenPipeError:
+        except BrokenPipeError:  # ctr quit early; its stderr says why
             sent = -1
         finally:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
             rc = proc.wait()
         err.seek(0)
         if rc != 0 or sent < 0:
-            raise ImagesError(f"{' '.join(cmd)} < {img.archive} failed (exit {rc}): {err.read().decode(errors='replace')[-4000:]}")
+            why = err.read().decode(errors="replace")[-4000:]
+            raise ImagesError(f"{' '.join(cmd)} < {img.archive} failed (exit {rc}): {why}")
     return sent
 
 
@@ -728,7 +731,8 @@ def load(address: str, namespace: str = "k8s.io", names: Iterable[str] = NODE_IM
         sent = _import(address, namespace, img, snapshotter)
         now = _ready_images(address, namespace, snapshotter)
         if img.ref not in now or _config_digest(address, namespace, now[img.ref]) != img.image_id:
-            raise ImagesError(f"{address}: {img.ref} is not there, unpacked with ID {img.image_id}, after importing {img.archive}")
+            raise ImagesError(f"{address}: {img.ref} is not there, unpacked with ID {img.image_id}, "
+                              f"after importing {img.archive}")
         _log(f"{name}: imported {img.ref} into {address} ({namespace}) in {time.monotonic() - t0:.1f} s "
              f"({_human(sent)} of layers sent, the rest it had)")
         result[name] = "imported"
@@ -791,7 +795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{img.ref}\t{img.image_id}\t{img.archive}")
             _log(f"done in {time.monotonic() - started:.1f} s")
         elif a.cmd == "load":
-            for name, state in load(a.address, a.namespace, a.names or NODE_IMAGES, refs=refs, snapshotter=a.snapshotter).items():
+            states = load(a.address, a.namespace, a.names or NODE_IMAGES, refs=refs, snapshotter=a.snapshotter)
+            for name, state in states.items():
                 print(f"{refs[name]}\t{state}")
         else:
             for row in status(refs):

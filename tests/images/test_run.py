@@ -12,7 +12,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tarfile
 import tempfile
