@@ -734,7 +734,7 @@ def load(address: str, namespace: str = "k8s.io", names: Iterable[str] = NODE_IM
             raise ImagesError(f"{address}: {img.ref} is not there, unpacked with ID {img.image_id}, "
                               f"after importing {img.archive}")
         _log(f"{name}: imported {img.ref} into {address} ({namespace}) in {time.monotonic() - t0:.1f} s "
-             f"({_human(sent)} of layers sent, the rest it had)")
+             f"({_human(sent)} of layers sent, of {_human(img.size)})")
         result[name] = "imported"
     present = [n for n, s in result.items() if s == "present"]
     if present:
