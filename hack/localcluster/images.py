@@ -10,15 +10,16 @@ image. Nothing can be pulled here, so every image is made from local inputs:
 - pause (localhost/sftjob/pause:3.10): images/pause/pause.c built with `gcc -static`, alone in
   an image FROM scratch (containerd's CRI `sandbox_image`);
 - operator, trainer: `buildah bud --isolation chroot --layers` of images/<name>/Dockerfile on
-  the base (the trainer without flash-attn). pip's cache is a cache mount kept under the
-  cache directory, so torch is downloaded once.
+  the base (the trainer without flash-attn). The requirements' wheels stay in a cache mount
+  under the cache directory, so torch is downloaded once.
 
 Each image is keyed by a hash of its inputs (recipe, Dockerfile, its ignore file, build
 arguments, the build context's files that the ignore file lets in, the base image's ID) and
 written as an uncompressed docker-archive to
 ${SFTJOB_CACHE:-~/.cache/sftjob}/images/<name>-<key>.tar, then a stamp <name>-<key>.json;
 an image whose stamp exists is not rebuilt. `load(address)` imports the node images into one
-containerd (namespace k8s.io), skipping those it already holds with the same config digest.
+containerd (namespace k8s.io), skipping those it already holds with the same config digest
+and sending only the layers it lacks (a source edit: one small layer).
 
     from hack.localcluster import images
     images.build()                                  # {"base": ImageRef, ...}
@@ -36,6 +37,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import os
 import re
@@ -46,7 +48,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("base", "pause", "operator", "trainer")
@@ -417,6 +419,11 @@ def _storage_image_id(ref: str) -> str | None:
     return "sha256:" + res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else None
 
 
+def _image_id(iidfile: Path) -> str:
+    iid = iidfile.read_text().strip()
+    return iid if iid.startswith("sha256:") else "sha256:" + iid
+
+
 def _archive_image_id(archive: Path) -> str:
     with tarfile.open(archive) as tar:
         member = tar.extractfile("manifest.json")
@@ -429,7 +436,7 @@ def _archive_image_id(archive: Path) -> str:
 # Builders: each leaves the image under its ref in buildah's storage
 
 
-def _build_base(ref: str, work: Path, logfile: Path, verbose: bool) -> None:
+def _build_base(ref: str, work: Path, logfile: Path, verbose: bool) -> str:
     need("mmdebstrap")
     buildah = need("buildah")
     rootfs = work / "rootfs.tar"
@@ -438,13 +445,15 @@ def _build_base(ref: str, work: Path, logfile: Path, verbose: bool) -> None:
     try:
         _run([buildah, "add", "--quiet", ctr, str(rootfs), "/"], logfile=logfile, verbose=verbose)
         _run([buildah, "config", *BASE_CONFIG, ctr], logfile=logfile, verbose=verbose)
-        _run([buildah, "commit", "--quiet", "--rm", ctr, ref], logfile=logfile, verbose=verbose)
+        _run([buildah, "commit", "--quiet", "--rm", "--iidfile", str(work / "iid"), ctr, ref],
+             logfile=logfile, verbose=verbose)
     except BaseException:
         subprocess.run([buildah, "rm", ctr], capture_output=True)
         raise
+    return _image_id(work / "iid")
 
 
-def _build_pause(ref: str, work: Path, logfile: Path, verbose: bool) -> None:
+def _build_pause(ref: str, work: Path, logfile: Path, verbose: bool) -> str:
     gcc = need("gcc")
     buildah = need("buildah")
     binary = work / "pause"
@@ -454,13 +463,15 @@ def _build_pause(ref: str, work: Path, logfile: Path, verbose: bool) -> None:
         _run([buildah, "copy", "--quiet", "--chown", "0:0", "--chmod", "0755", ctr, str(binary), "/pause"],
              logfile=logfile, verbose=verbose)
         _run([buildah, "config", *PAUSE_CONFIG, ctr], logfile=logfile, verbose=verbose)
-        _run([buildah, "commit", "--quiet", "--rm", ctr, ref], logfile=logfile, verbose=verbose)
+        _run([buildah, "commit", "--quiet", "--rm", "--iidfile", str(work / "iid"), ctr, ref],
+             logfile=logfile, verbose=verbose)
     except BaseException:
         subprocess.run([buildah, "rm", ctr], capture_output=True)
         raise
+    return _image_id(work / "iid")
 
 
-def _build_bud(name: str, ref: str, cache: Path, logfile: Path, verbose: bool) -> None:
+def _build_bud(name: str, ref: str, work: Path, cache: Path, logfile: Path, verbose: bool) -> str:
     buildah = need("buildah")
     bud = BUDS[name]
     args = [a for k, v in sorted(bud.build_args.items()) for a in ("--build-arg", f"{k}={v}")]
@@ -469,8 +480,9 @@ def _build_bud(name: str, ref: str, cache: Path, logfile: Path, verbose: bool) -
     if Path(HOST_CA_BUNDLE).is_file():
         args += ["-v", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
     _run([buildah, "bud", "--isolation", "chroot", "--layers", "--pull=never",
-          "-f", str(ROOT / bud.dockerfile), "--ignorefile", str(ROOT / bud.ignorefile),
+          "-f", str(ROOT / bud.dockerfile), "--ignorefile", str(ROOT / bud.ignorefile), "--iidfile", str(work / "iid"),
           *args, "-t", ref, str(ROOT)], logfile=logfile, verbose=verbose, env=_buildah_env(cache))
+    return _image_id(work / "iid")
 
 
 # ---------------------------------------------------------------------------------------
@@ -496,8 +508,10 @@ def cached(name: str, key: str, cache: Path | None = None) -> ImageRef | None:
     return img
 
 
-def _write_archive(name: str, ref: str, key: str, cache: Path, started: float, logfile: Path,
+def _write_archive(name: str, ref: str, image_id: str, key: str, cache: Path, started: float, logfile: Path,
                    verbose: bool) -> ImageRef:
+    """Write the image `image_id` (what this build committed, whatever `ref` points at by now)
+    as the archive of `key`, named `ref`, then its stamp."""
     buildah = need("buildah")
     final = cache / f"{name}-{key}.tar"
     tmp = cache / f".{name}-{key}.tar.tmp"
@@ -508,12 +522,11 @@ def _write_archive(name: str, ref: str, key: str, cache: Path, started: float, l
             old.unlink(missing_ok=True)
     tmp.unlink(missing_ok=True)
     try:
-        _run([buildah, "push", "--quiet", ref, f"docker-archive:{tmp}:{ref}"], logfile=logfile, verbose=verbose,
-             env=_buildah_env(cache))
-        image_id = _archive_image_id(tmp)
-        stored = _storage_image_id(ref)
-        if stored != image_id:
-            raise ImagesError(f"{ref}: the archive holds {image_id}, buildah's storage {stored}")
+        _run([buildah, "push", "--quiet", image_id.removeprefix("sha256:"), f"docker-archive:{tmp}:{ref}"],
+             logfile=logfile, verbose=verbose, env=_buildah_env(cache))
+        archived = _archive_image_id(tmp)
+        if archived != image_id:
+            raise ImagesError(f"{ref}: the archive holds {archived}, the build made {image_id}")
         os.replace(tmp, final)
     except ImagesError as e:
         tmp.unlink(missing_ok=True)
@@ -584,13 +597,13 @@ def build(names: Iterable[str] = NAMES, *, refs: Mapping[str, str] | None = None
             started = time.monotonic()
             with tempfile.TemporaryDirectory(dir=cache, prefix=f".work-{name}-") as work:
                 if name == "base":
-                    _build_base(refs[name], Path(work), logfile, verbose)
+                    image_id = _build_base(refs[name], Path(work), logfile, verbose)
                 elif name == "pause":
-                    _build_pause(refs[name], Path(work), logfile, verbose)
+                    image_id = _build_pause(refs[name], Path(work), logfile, verbose)
                 else:
-                    _build_bud(name, refs[name], cache, logfile, verbose)
+                    image_id = _build_bud(name, refs[name], Path(work), cache, logfile, verbose)
             built = time.monotonic() - started
-            img = _write_archive(name, refs[name], key, cache, started, logfile, verbose)
+            img = _write_archive(name, refs[name], image_id, key, cache, started, logfile, verbose)
             _log(f"{name}: built {img.ref} in {built:.1f} s, archived in {img.build_seconds - built:.1f} s "
                  f"({_human(img.size)}: {img.archive})")
             out[name] = img
@@ -626,6 +639,78 @@ def _config_digest(address: str, namespace: str, manifest_digest: str) -> str | 
     return manifest.get("config", {}).get("digest")
 
 
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+
+
+def _oci_layout(archive: Path, ref: str, have: set[str], out) -> int:
+    """Write to the binary stream `out` an OCI image layout (tar) of the image in the
+    docker-archive `archive`, named `ref` for containerd, leaving out the layer blobs whose
+    digests are in `have` (the containerd holds them; its unpacker reuses them). The config is
+    copied byte for byte, so the image ID stays. Returns the bytes of layers written."""
+    with tarfile.open(archive) as src:
+        entry = json.load(src.extractfile("manifest.json"))[0]  # type: ignore[arg-type]
+        config = src.extractfile(entry["Config"]).read()  # type: ignore[union-attr]
+        layers = []
+        for name in entry["Layers"]:
+            # c/image names a docker-archive's layers by their digest (uncompressed: the diff ID)
+            member = src.getmember(name)
+            layers.append(("sha256:" + name.removesuffix(".tar"), member))
+        manifest = json.dumps({
+            "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": "sha256:" + hashlib.sha256(config).hexdigest(), "size": len(config)},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": m.size}
+                       for d, m in layers],
+        }, separators=(",", ":")).encode()
+        index = json.dumps({"schemaVersion": 2, "manifests": [{
+            "mediaType": OCI_MANIFEST, "digest": "sha256:" + hashlib.sha256(manifest).hexdigest(),
+            "size": len(manifest),
+            "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref}}]},
+            separators=(",", ":")).encode()
+        sent = 0
+        with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst:
+            def add(name: str, size: int, data) -> None:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = size, 0o644, 0
+                dst.addfile(info, data)
+
+            add("oci-layout", 30, io.BytesIO(b'{"imageLayoutVersion":"1.0.0"}'))
+            add("index.json", len(index), io.BytesIO(index))
+            for blob in (manifest, config):
+                add(f"blobs/sha256/{hashlib.sha256(blob).hexdigest()}", len(blob), io.BytesIO(blob))
+            for digest, member in layers:
+                if digest in have:
+                    continue
+                add(f"blobs/sha256/{digest.removeprefix('sha256:')}", member.size, src.extractfile(member))
+                sent += member.size
+    return sent
+
+
+def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None) -> int:
+    """ctr images import of img, sending only the layers this containerd lacks (an edited
+    source changes the trainer's last, small layer, not its GBs of requirements). Returns
+    the bytes of layers sent."""
+    have = set(_ctr(address, namespace, "content", "ls", "-q").split())
+    extra = ["--snapshotter", snapshotter] if snapshotter else []
+    cmd = [need("ctr"), "--address", address, "-n", namespace, "images", "import", *extra, "-"]
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+        assert proc.stdin is not None
+        try:
+            sent = _oci_layout(img.archive, img.ref, have, proc.stdin)
+        except BrokenPipeError:  # ctr quit early; its stderr says why
+            sent = -1
+        finally:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+            rc = proc.wait()
+        err.seek(0)
+        if rc != 0 or sent < 0:
+            why = err.read().decode(errors="replace")[-4000:]
+            raise ImagesError(f"{' '.join(cmd)} < {img.archive} failed (exit {rc}): {why}")
+    return sent
+
+
 def load(address: str, namespace: str = "k8s.io", names: Iterable[str] = NODE_IMAGES, *,
          refs: Mapping[str, str] | None = None, snapshotter: str | None = None) -> dict[str, str]:
     """Import the images (building what is missing or stale first) into the containerd that
@@ -643,12 +728,13 @@ def load(address: str, namespace: str = "k8s.io", names: Iterable[str] = NODE_IM
             result[name] = "present"
             continue
         t0 = time.monotonic()
-        extra = ["--snapshotter", snapshotter] if snapshotter else []
-        _ctr(address, namespace, "images", "import", *extra, str(img.archive))
+        sent = _import(address, namespace, img, snapshotter)
         now = _ready_images(address, namespace, snapshotter)
         if img.ref not in now or _config_digest(address, namespace, now[img.ref]) != img.image_id:
-            raise ImagesError(f"{address}: {img.ref} is not there, unpacked with ID {img.image_id}, after importing {img.archive}")
-        _log(f"{name}: imported {img.ref} into {address} ({namespace}) in {time.monotonic() - t0:.1f} s")
+            raise ImagesError(f"{address}: {img.ref} is not there, unpacked with ID {img.image_id}, "
+                              f"after importing {img.archive}")
+        _log(f"{name}: imported {img.ref} into {address} ({namespace}) in {time.monotonic() - t0:.1f} s "
+             f"({_human(sent)} of layers sent, of {_human(img.size)})")
         result[name] = "imported"
     present = [n for n, s in result.items() if s == "present"]
     if present:
@@ -709,7 +795,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"{img.ref}\t{img.image_id}\t{img.archive}")
             _log(f"done in {time.monotonic() - started:.1f} s")
         elif a.cmd == "load":
-            for name, state in load(a.address, a.namespace, a.names or NODE_IMAGES, refs=refs, snapshotter=a.snapshotter).items():
+            states = load(a.address, a.namespace, a.names or NODE_IMAGES, refs=refs, snapshotter=a.snapshotter)
+            for name, state in states.items():
                 print(f"{refs[name]}\t{state}")
         else:
             for row in status(refs):

@@ -1,12 +1,15 @@
 """hack/localcluster/images.py without building anything: which inputs an image's cache key
 covers, the .dockerignore rules that decide what is in a build context, the cache's stamps,
-and the errors for missing tools."""
+the errors for missing tools, and the OCI layout load() streams to ctr."""
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -101,11 +104,14 @@ def test_operator_only_inputs_leave_the_trainer_key(repo):
     assert changed(before, keys(repo)) == {"operator"}
 
 
-def test_pyproject_and_readme_are_inputs(repo):
-    for rel in ("pyproject.toml", "README.md"):
-        before = keys(repo)
-        (repo / rel).write_text((repo / rel).read_text() + "\n")
-        assert changed(before, keys(repo)) == {"operator", "trainer"}, rel
+def test_pyproject_is_an_input_the_readme_is_not(repo):
+    """The images get a stub README (pyproject.toml's `readme`), so a docs edit remakes nothing."""
+    before = keys(repo)
+    (repo / "pyproject.toml").write_text((repo / "pyproject.toml").read_text() + "\n")
+    assert changed(before, keys(repo)) == {"operator", "trainer"}
+    before = keys(repo)
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "\nedited\n")
+    assert changed(before, keys(repo)) == set()
 
 
 def test_pause_source_changes_only_pause(repo):
@@ -172,14 +178,14 @@ def test_ignore_rules_follow_dockerignore(tmp_path):
 
 
 def test_the_real_contexts_hold_the_distribution_only():
-    """What the Dockerfiles' COPY lines can see: pyproject.toml, README.md and the two
-    packages, without bytecode (compared with git's list of those packages)."""
+    """What the Dockerfiles' COPY lines can see: pyproject.toml and the two packages, without
+    bytecode (compared with git's list of those packages)."""
     tracked = subprocess.run(["git", "ls-files", "operator/sftjob_operator", "trainer/sftjob_trainer"], cwd=REPO,
                              capture_output=True, text=True, check=True).stdout.split()
     for name, bud in images.BUDS.items():
         files = images.context_files(REPO, REPO / bud.ignorefile)
-        assert {"pyproject.toml", "README.md"} <= set(files), name
-        rest = [f for f in files if f not in ("pyproject.toml", "README.md")]
+        assert "pyproject.toml" in files and "README.md" not in files, name
+        rest = [f for f in files if f != "pyproject.toml"]
         assert all(f.startswith(("operator/sftjob_operator/", "trainer/sftjob_trainer/")) for f in rest), rest
         assert not any("__pycache__" in f for f in rest)
         assert set(tracked) <= set(rest), set(tracked) - set(rest)
@@ -232,3 +238,54 @@ def test_refs_default_to_the_chart_and_crd_defaults():
     assert refs["trainer"] in values and refs["trainer"] in (REPO / "crds" / "sftjob.io_sftjobs.yaml").read_text()
     assert refs["operator"].rsplit(":", 1)[0] in values
     assert refs["operator"].endswith(":" + images.app_version())
+
+
+# ------------------------------------------------------------------ the layout load() sends
+
+def docker_archive(path: Path, ref: str, layers: list[bytes]) -> tuple[bytes, list[str]]:
+    """A docker-archive as buildah writes one (layers named by their digest); returns the
+    config and the layer digests."""
+    digests = ["sha256:" + hashlib.sha256(data).hexdigest() for data in layers]
+    config = json.dumps({"architecture": "amd64", "os": "linux", "config": {"Cmd": ["/x"]},
+                         "rootfs": {"type": "layers", "diff_ids": digests}}).encode()
+    config_name = hashlib.sha256(config).hexdigest() + ".json"
+    with tarfile.open(path, "w") as tar:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+        for d, data in zip(digests, layers):
+            add(d.removeprefix("sha256:") + ".tar", data)
+        add(config_name, config)
+        add("manifest.json", json.dumps([{"Config": config_name, "RepoTags": [ref],
+                                          "Layers": [d.removeprefix("sha256:") + ".tar" for d in digests]}]).encode())
+    return config, digests
+
+
+def test_the_oci_layout_names_the_image_and_leaves_out_the_layers_the_node_has(tmp_path):
+    archive = tmp_path / "img.tar"
+    layers = [b"base layer" * 100, b"requirements" * 1000, b"sources"]
+    config, digests = docker_archive(archive, "ghcr.io/sftjob/x:1", layers)
+    out = io.BytesIO()
+    sent = images._oci_layout(archive, "ghcr.io/sftjob/x:1", {digests[0], digests[1], "sha256:" + "e" * 64}, out)
+    assert sent == len(layers[2])
+    out.seek(0)
+    with tarfile.open(fileobj=out) as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    assert json.loads(files["oci-layout"]) == {"imageLayoutVersion": "1.0.0"}
+    index = json.loads(files["index.json"])
+    (entry,) = index["manifests"]
+    assert entry["annotations"]["io.containerd.image.name"] == "ghcr.io/sftjob/x:1"
+    manifest_blob = files["blobs/sha256/" + entry["digest"].removeprefix("sha256:")]
+    assert hashlib.sha256(manifest_blob).hexdigest() == entry["digest"].removeprefix("sha256:")
+    manifest = json.loads(manifest_blob)
+    # The config travels byte for byte: the image ID is the one buildah built.
+    assert manifest["config"]["digest"] == "sha256:" + hashlib.sha256(config).hexdigest()
+    assert files["blobs/sha256/" + hashlib.sha256(config).hexdigest()] == config
+    assert [(x["digest"], x["size"]) for x in manifest["layers"]] == list(zip(digests, map(len, layers)))
+    # Only the layer the node lacks is in the stream.
+    blobs = {n for n in files if n.startswith("blobs/")}
+    assert blobs == {"blobs/sha256/" + h for h in (entry["digest"][7:], hashlib.sha256(config).hexdigest(),
+                                                   digests[2][7:])}
+    assert files["blobs/sha256/" + digests[2][7:]] == layers[2]

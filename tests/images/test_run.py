@@ -6,11 +6,14 @@ Needs root, buildah, mmdebstrap, gcc, containerd, ctr, runc and nsenter; a cold 
 trainer image takes a while (torch), a warm one seconds."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import io
 import json
 import os
 import shutil
-import signal
 import subprocess
+import tarfile
 import tempfile
 import time
 import uuid
@@ -230,3 +233,57 @@ def test_pause_image_reaps_orphans(loaded, built):
         if proc.poll() is None:
             ctr(address, "task", "kill", "-s", "SIGKILL", cid)
             proc.wait(timeout=10)
+
+
+def derived_archive(src: Path, dst: Path, ref: str, files: dict[str, bytes]) -> tuple[str, int]:
+    """A docker-archive of src's image plus one layer holding `files`, named ref, as buildah
+    would write it; returns its image ID and the new layer's size."""
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    layer_bytes = layer.getvalue()
+    layer_hex = hashlib.sha256(layer_bytes).hexdigest()
+    with tarfile.open(src) as old, tarfile.open(dst, "w") as new:
+        entry = json.load(old.extractfile("manifest.json"))[0]
+        config = json.load(old.extractfile(entry["Config"]))
+        config["rootfs"]["diff_ids"].append("sha256:" + layer_hex)
+        config.setdefault("history", []).append({"created_by": "tests/images: one more layer"})
+        config_bytes = json.dumps(config).encode()
+        config_hex = hashlib.sha256(config_bytes).hexdigest()
+        for name in entry["Layers"]:
+            member = old.getmember(name)
+            new.addfile(member, old.extractfile(member))
+
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            new.addfile(info, io.BytesIO(data))
+
+        add(f"{layer_hex}.tar", layer_bytes)
+        add(f"{config_hex}.json", config_bytes)
+        add("manifest.json", json.dumps([{"Config": f"{config_hex}.json", "RepoTags": [ref],
+                                          "Layers": [*entry["Layers"], f"{layer_hex}.tar"]}]).encode())
+    return "sha256:" + config_hex, len(layer_bytes)
+
+
+def test_load_sends_only_the_layers_a_node_lacks(loaded, built, tmp_path):
+    """A source edit changes an image's last, small layer; importing it must not stream the GBs
+    below it again (the node holds them)."""
+    address, _ = loaded
+    assert images._import(address, "k8s.io", built["operator"], None) == 0
+    ref = f"localhost/sftjob/derived:{uuid.uuid4().hex[:8]}"
+    archive = tmp_path / "derived.tar"
+    image_id, layer_size = derived_archive(built["operator"].archive, archive, ref, {"derived.txt": b"top layer\n"})
+    img = dataclasses.replace(built["operator"], name="derived", ref=ref, archive=archive, image_id=image_id,
+                              size=archive.stat().st_size)
+    try:
+        assert images._import(address, "k8s.io", img, None) == layer_size
+        ready = images._ready_images(address, "k8s.io")
+        assert images._config_digest(address, "k8s.io", ready[ref]) == image_id
+        res = run(address, ref, "python3", "-c", "import os; print(os.getuid(), open('/derived.txt').read(), end='')")
+        assert res.returncode == 0 and res.stdout == "65532 top layer\n", res.stdout + res.stderr
+    finally:
+        subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "images", "rm", ref], capture_output=True)
