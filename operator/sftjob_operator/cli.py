@@ -69,14 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.namespace and not args.all_namespaces:
         _parser().error("choose a scope: --namespace NS (repeatable) or --all-namespaces")
 
+    from . import leader
+
     leader_elect = args.leader_elect
     if leader_elect is None:
-        from .leader import in_cluster
-
-        leader_elect = in_cluster()
+        leader_elect = leader.in_cluster()
     elector_cfg = None
     if leader_elect:
-        from . import leader
 
         ns = args.leader_election_namespace or leader.default_namespace()
         if not ns:
@@ -118,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             liveness_endpoint=liveness,
             standalone=args.peering is None,
             peering_name=args.peering,
+            # kopf's default identity comes from getpass.getuser(), which fails for a uid with
+            # no /etc/passwd entry (the image's 65532, any runAsUser a cluster assigns)
+            identity=args.leader_election_id or leader.default_identity(),
             memo=kopf.Memo(settings=settings),
         )
     finally:

@@ -64,3 +64,23 @@ def test_config_rejects_unsafe_timings():
     with pytest.raises(ValueError):
         leader.Config(namespace="x", lease_duration=15, renew_deadline=2, retry_period=2)
     assert leader.Config(namespace="x").identity  # pod/host name + random suffix
+
+
+def test_runs_as_a_uid_without_a_passwd_entry(monkeypatch):
+    """The image runs as uid 65532, which has no /etc/passwd entry: kopf's own peering identity
+    (getpass.getuser()) raised KeyError and the operator pod crash-looped on a real kubelet.
+    The operator hands kopf the pod's identity instead."""
+    import getpass
+
+    import kopf
+
+    def no_passwd_entry():
+        raise KeyError("getpwuid(): uid not found: 65532")
+
+    seen = {}
+    monkeypatch.setattr(getpass, "getuser", no_passwd_entry)
+    monkeypatch.setattr(kopf, "run", lambda **kw: seen.update(kw))
+    monkeypatch.setattr("sftjob_operator.metrics.serve", lambda port: None)
+    monkeypatch.setenv("POD_NAME", "sftjob-operator-7d9f-abcde")
+    assert cli.main(["-A", "--no-leader-elect", "--liveness-port", "0"]) == 0
+    assert seen["identity"].startswith("sftjob-operator-7d9f-abcde")
