@@ -48,7 +48,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("base", "pause", "operator", "trainer")
@@ -441,10 +441,19 @@ def _build_base(ref: str, work: Path, logfile: Path, verbose: bool) -> str:
     buildah = need("buildah")
     rootfs = work / "rootfs.tar"
     _run(["mmdebstrap", *MMDEBSTRAP_OPTS, SUITE, str(rootfs), apt_sources()], logfile=logfile, verbose=verbose)
-    ctr = _run([buildah, "from", "--name", f"sftjob-base-{os.getpid()}", "scratch"]).strip()
+    return _from_scratch(buildah, "base", ref, work, logfile, verbose, lambda ctr: [
+        [buildah, "add", "--quiet", ctr, str(rootfs), "/"],
+        [buildah, "config", *BASE_CONFIG, ctr]])
+
+
+def _from_scratch(buildah: str, name: str, ref: str, work: Path, logfile: Path, verbose: bool,
+                  steps: Callable[[str], list[list[str]]]) -> str:
+    """An image from an empty container: run the buildah `steps` on it, commit it as `ref`;
+    returns the image ID. The working container goes whatever happens."""
+    ctr = _run([buildah, "from", "--name", f"sftjob-{name}-{os.getpid()}", "scratch"]).strip()
     try:
-        _run([buildah, "add", "--quiet", ctr, str(rootfs), "/"], logfile=logfile, verbose=verbose)
-        _run([buildah, "config", *BASE_CONFIG, ctr], logfile=logfile, verbose=verbose)
+        for argv in steps(ctr):
+            _run(argv, logfile=logfile, verbose=verbose)
         _run([buildah, "commit", "--quiet", "--rm", "--iidfile", str(work / "iid"), ctr, ref],
              logfile=logfile, verbose=verbose)
     except BaseException:
@@ -458,17 +467,9 @@ def _build_pause(ref: str, work: Path, logfile: Path, verbose: bool) -> str:
     buildah = need("buildah")
     binary = work / "pause"
     _run([gcc, *PAUSE_CFLAGS, "-o", str(binary), str(ROOT / PAUSE_SOURCE)], logfile=logfile, verbose=verbose)
-    ctr = _run([buildah, "from", "--name", f"sftjob-pause-{os.getpid()}", "scratch"]).strip()
-    try:
-        _run([buildah, "copy", "--quiet", "--chown", "0:0", "--chmod", "0755", ctr, str(binary), "/pause"],
-             logfile=logfile, verbose=verbose)
-        _run([buildah, "config", *PAUSE_CONFIG, ctr], logfile=logfile, verbose=verbose)
-        _run([buildah, "commit", "--quiet", "--rm", "--iidfile", str(work / "iid"), ctr, ref],
-             logfile=logfile, verbose=verbose)
-    except BaseException:
-        subprocess.run([buildah, "rm", ctr], capture_output=True)
-        raise
-    return _image_id(work / "iid")
+    return _from_scratch(buildah, "pause", ref, work, logfile, verbose, lambda ctr: [
+        [buildah, "copy", "--quiet", "--chown", "0:0", "--chmod", "0755", ctr, str(binary), "/pause"],
+        [buildah, "config", *PAUSE_CONFIG, ctr]])
 
 
 def _build_bud(name: str, ref: str, work: Path, cache: Path, logfile: Path, verbose: bool) -> str:
