@@ -229,6 +229,7 @@ def stage_cluster(ctx: Ctx) -> None:
         ctx.kubectl("-n", args.system_namespace, "rollout", "status", deploy, "--timeout=180s", timeout=200)
     op = wait_for(lambda: _operator_pod(ctx), 120, "the operator pod to run")
     ctx.summary["operator_pod"] = op["metadata"]["name"]
+    ctx.summary.setdefault("pods", {})["operator"] = _runs_as(ctx, args.system_namespace, op["metadata"]["name"])
     out.say(f"operator pod {args.system_namespace}/{op['metadata']['name']} (the leader of 2 replicas) running "
             f"as ServiceAccount {op['spec'].get('serviceAccountName')} (helm: {time.time() - t:.0f} s)")
 
@@ -240,6 +241,18 @@ def stage_cluster(ctx: Ctx) -> None:
     wait_for(lambda: ctx.prom.scraped_ok("sftjob-operator"), 60, "Prometheus to scrape the operator")
     out.say(f"Prometheus {ctx.prom.url} scraping the operator and the rank-0 trainer every "
             f"{promlib.SCRAPE_INTERVAL} (config {ctx.prom.workdir / 'prometheus.yml'})")
+
+
+def _runs_as(ctx: Ctx, ns: str, pod: str) -> dict:
+    """Which image a running pod's first container runs (the runtime's imageID) and as which
+    uid, asked inside the container (kubectl exec)."""
+    p = ctx.kube.get(f"/api/v1/namespaces/{ns}/pods/{pod}")
+    cs = p["status"]["containerStatuses"][0]
+    uid = ctx.kubectl("-n", ns, "exec", pod, "-c", cs["name"], "--", "id", "-u",
+                      show=f"kubectl -n {ns} exec {pod} -- id -u").stdout.strip()
+    info = {"pod": pod, "image": cs["image"], "imageID": cs["imageID"], "uid": uid}
+    ctx.out.say(f"{pod} runs {cs['image']} ({cs['imageID'][:19]}...) as uid {uid}")
+    return info
 
 
 def _operator_pod(ctx: Ctx) -> dict | None:
@@ -483,6 +496,7 @@ def preempt(ctx: Ctx, job: dict) -> dict:
     st = _status(job)
     victim = f"{a.job}-node-1"
     ckpt = st["progress"].get("lastCheckpointStep")
+    ctx.summary.setdefault("pods", {})["trainer"] = _runs_as(ctx, a.namespace, f"{a.job}-node-0")
     out.stage(4, f"Preempting {victim} mid-run (eviction through the API, as a cluster would)")
     rank0 = f"{a.job}-node-0"
     uid0 = ctx.kube.get(f"/api/v1/namespaces/{a.namespace}/pods/{rank0}")["metadata"]["uid"]

@@ -89,6 +89,19 @@ def test_demo_runs_end_to_end(demo, cluster):
     assert "resumed from" in s["resume_line"]
 
 
+def test_pods_run_the_locally_built_images_as_their_non_root_users(demo):
+    """The operator's and the trainer's pods run from the images `make images` built here (the
+    image ID the runtime reports is the built image's), as the images' non-root users."""
+    from hack.localcluster import images
+
+    built = images.build(("operator", "trainer"))
+    pods = demo["summary"]["pods"]
+    for name, uid in (("operator", "65532"), ("trainer", "1000")):
+        assert pods[name]["uid"] == uid, pods[name]
+        assert pods[name]["image"].endswith(built[name].ref.split("/", 1)[1]), (pods[name], built[name].ref)
+        assert pods[name]["imageID"].split(":")[-1] == built[name].image_id.split(":")[-1], (pods[name], built[name])
+
+
 def test_exported_model_in_s3_loads(demo, cluster, tmp_path):
     s = demo["summary"]
     uri = s.get("output_uri") or ""
