@@ -433,3 +433,10 @@ def signal_container(cfg: C.ClusterConfig, node: str, container_id: str, sig: st
     crash, the OOM killer or `kill -9` inside the container would do; the pod is untouched)."""
     cid = container_id.split("://", 1)[-1]
     _sh(*_ctr_for(cfg, node), "tasks", "kill", "--all", "--signal", sig, cid)
+
+
+def tag_image(cfg: C.ClusterConfig, source: str, target: str) -> None:
+    """Give an image every node holds a second name on every node (as a registry would serve
+    one image under two tags)."""
+    for node in cfg.nodes:
+        _sh(*_ctr_for(cfg, node), "images", "tag", "--force", source, target)

@@ -37,6 +37,8 @@ pytestmark = pytest.mark.cluster
 EXAMPLE = REPO / "examples" / "sftjob.yaml"
 CRD_NAME = "sftjobs.sftjob.io"
 RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
+# The chart's trainer.image must reach the pods: the locally built trainer image, given this
+# name on every node (nothing is pulled here).
 TRAINER_IMAGE = "registry.example/sftjob/trainer:e2e"
 
 
@@ -153,6 +155,9 @@ def test_install_runs_example_upgrade_and_uninstall(cluster, namespace, system_n
 
 
 def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_path):
+    from hack.localcluster import images, realnodes
+
+    realnodes.tag_image(cluster.cfg, images.image_refs()["trainer"], TRAINER_IMAGE)
     adopt_crd(cluster, release, system_ns)
     res = cluster.helm("install", release, str(CHART), "-n", system_ns, "--set", f"watchNamespaces={{{jobs_ns}}}",
                        "--set", f"trainer.image={TRAINER_IMAGE}", "--set", "operator.logFormat=plain",
