@@ -132,8 +132,9 @@ def test_two_pods_find_each_other_and_allreduce(cluster, namespace):
         assert out["peer_short"] == out["peer_fqdn"] == ips[1 - rank]
         assert out["hostname"] == f"ar-{rank}" and out["me"] == ips[rank]
         assert terminated(p)["reason"] == "Completed" and terminated(p)["exitCode"] == 0
-    # the names resolve only while the pods run: both have finished now
-    assert dns_rcode(cluster, f"ar-0.ar.{namespace}.svc.cluster.local") == 3  # NXDOMAIN
+    # the names resolve only while the pods run: both have finished now (CoreDNS caches an
+    # answer for 5 s and sees the EndpointSlice change a moment after the pod's)
+    wait_for(lambda: dns_rcode(cluster, f"ar-0.ar.{namespace}.svc.cluster.local") == 3, 30, what="NXDOMAIN")
     assert dns_rcode(cluster, "kubernetes.default.svc.cluster.local") == 0
 
 
