@@ -436,8 +436,8 @@ def stage_job(ctx: Ctx) -> dict:
             last_change = time.time()
         elif not warned and time.time() - last_change > 180:
             warned = True
-            out.say(f"no progress for 3 minutes; `kubectl -n {a.namespace} describe sft {a.job}` and the pods' "
-                    f"logs in .cluster/pods/ say why (is another sftjob-operator, e.g. one started with "
+            out.say(f"no progress for 3 minutes; `kubectl -n {a.namespace} describe sft {a.job}` and "
+                    f"`kubectl -n {a.namespace} logs {a.job}-node-0` say why (is another sftjob-operator, e.g. one started with "
                     f"--all-namespaces by a test, acting on this job too?)")
         if preempted is None and st.get("phase") == "Running" and \
                 (prog.get("lastCheckpointStep") or 0) >= ctx.preempt_after:

@@ -27,7 +27,7 @@ from demo import prom as promlib
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "sftjob-operator" / "dashboards" / "sftjob.json"
 CRD_SOURCE = REPO / "crds" / "sftjob.io_sftjobs.yaml"
-STEPS = int(os.environ.get("DEMO_TEST_STEPS", "8"))
+STEPS = int(os.environ.get("DEMO_TEST_STEPS", "40"))
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(2400)]
 
