@@ -18,6 +18,7 @@ import pytest
 from hack.localcluster import kueue as lk
 from hack.localcluster.kube import ApiError
 from sftjob_operator import queueing
+from hack.localcluster.logtap import LogTap
 from tests.fixtures.cluster import wait_for
 
 from .cluster_kit import RESUMABLE, apply, condition, diagnose, example, get_job, phase_is, pods_of, wait_job
@@ -232,12 +233,15 @@ def _weights(cluster, uri: str) -> dict:
 
 
 def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
-        cluster, scoped_operator, example_ns, queue):  # noqa: F811
+        cluster, scoped_operator, example_ns, queue, tmp_path):  # noqa: F811
     ns, op = example_ns, scoped_operator
     spec = {**RESUMABLE, "training.totalTrainingSteps": 40, "resources.priorityClassName": LOW,
             "runPolicy.restartBackoffSeconds": 1}
     rec = Sampler(cluster, ns, ["low", "high"])
     rec.start()
+    # a kubelet forgets a deleted pod's log: keep both of rank 0's incarnations (before and
+    # after the eviction) in one file
+    tap = LogTap(cluster.kube, ns, "sftjob.io/job-name=low", tmp_path / "logs").start()
     apply(cluster, ns, queued("low", queue, **spec))
     # The same job alone, outside any queue: the weights to match.
     apply(cluster, ns, example("alone", **spec))
@@ -274,7 +278,8 @@ def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
                                                .endswith("-a1") for p in pods["low"]))
     assert regated, "the restarted low gang was never queued"
     # Resumed from the checkpoint committed on Kueue's SIGTERM: no step trained twice.
-    log = cluster.pod_log(ns, "low-node-0")
+    tap.stop()
+    log = tap.path("low-node-0", "trainer").read_text(errors="replace")
     saved, resumed, first_step_at = _resume(log)
     assert resumed == saved, (saved, resumed)
     after = [s["low"].get("progress", {}).get("step") for _, _, s in rec.samples
