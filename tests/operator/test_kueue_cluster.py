@@ -235,7 +235,7 @@ def _weights(cluster, uri: str) -> dict:
 def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
         cluster, scoped_operator, example_ns, queue, tmp_path):  # noqa: F811
     ns, op = example_ns, scoped_operator
-    spec = {**RESUMABLE, "training.totalTrainingSteps": 40, "resources.priorityClassName": LOW,
+    spec = {**RESUMABLE, "training.totalTrainingSteps": 120, "resources.priorityClassName": LOW,
             "runPolicy.restartBackoffSeconds": 1}
     rec = Sampler(cluster, ns, ["low", "high"])
     rec.start()
