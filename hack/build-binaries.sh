@@ -38,12 +38,26 @@ log() { printf '[build-binaries %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 # The Kubernetes binaries, control plane and node (kubelet, kube-proxy) alike.
 K8S_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy)
 
-# begin NAME [BINARY...]: returns 1 (skip) when already built with every BINARY, else prepares
-# DIR/src and DIR/bin.tmp. A cache built before a binary joined the list is rebuilt.
+# The binaries a component's cache must hold (beyond its .built stamp): a cache built before a
+# binary joined the list is rebuilt.
+binaries_of() {
+  case "$1" in
+    k8s) echo "${K8S_BINARIES[@]}" ;;
+    coredns) echo coredns ;;
+  esac
+}
+
+# cached NAME: true when NAME's cache is complete.
+cached() {
+  local d b; d="$(dir_of "$1")"
+  [[ -f "$d/.built" ]] || return 1
+  for b in $(binaries_of "$1"); do [[ -x "$d/bin/$b" ]] || return 1; done
+}
+
+# begin NAME: returns 1 (skip) when NAME is cached, else prepares DIR/src and DIR/bin.tmp.
 begin() {
-  local d b complete=1; d="$(dir_of "$1")"
-  for b in "${@:2}"; do [[ -x "$d/bin/$b" ]] || complete=0; done
-  if [[ -f "$d/.built" && $complete == 1 ]]; then
+  local d; d="$(dir_of "$1")"
+  if cached "$1"; then
     log "$1: cached in $d"
     return 1
   fi
@@ -63,7 +77,7 @@ finish() {
 }
 
 build_k8s() {
-  begin k8s "${K8S_BINARIES[@]}" || return 0
+  begin k8s || return 0
   local d src minor ver=$K8S_VERSION
   d="$(dir_of k8s)"; src="$d/src"
   minor="$(echo "$ver" | cut -d. -f2)"
@@ -169,7 +183,7 @@ build_kueue() {
 # few a cluster's DNS needs, in CoreDNS's directive order (bind: two clusters on one machine
 # each answer on their own bridge address).
 build_coredns() {
-  begin coredns coredns || return 0
+  begin coredns || return 0
   local d src; d="$(dir_of coredns)"; src="$d/src"
   printf 'module local/sftjob-coredns-binary\n\ngo 1.26.0\n\nrequire github.com/coredns/coredns %s\n' \
     "$COREDNS_VERSION" >"$src/go.mod"
@@ -213,6 +227,11 @@ components=("$@")
 mkdir -p "$CACHE"
 # One build at a time per cache: two test sessions starting together must not both write the
 # same bin.tmp, and two Go builds at once would only fight over the two cores.
+# Everything asked for already built: done, without waiting for another build's lock (a Kueue
+# build holds it for ten minutes).
+all_cached=1
+for c in "${components[@]}"; do cached "$c" || all_cached=0; done
+[[ $all_cached == 1 ]] && exit 0
 exec 9>"$CACHE/.build.lock"
 flock 9
 for c in "${components[@]}"; do

@@ -12,8 +12,8 @@ containerd's root (its image store, several GB once the trainer image is importe
 binary cache, ${SFTJOB_CACHE}/node-store/<bridge>-<i>, and outlives `cluster-down`: importing
 the images is the slowest part of a cold start (and several GB per node), so it happens once
 per machine and image version, whichever checkout starts the cluster (two clusters with the
-same bridge cannot run at once: their ports collide, and `up` refuses). Containers and sandboxes are removed from it on `down` and before a kubelet
-starts. Sockets live in a short directory under /run (unix socket paths are limited to 107
+same bridge cannot run at once: their ports collide, and `up` refuses). Containers and
+sandboxes are removed from it on `down` and before a kubelet starts. Sockets live in a short directory under /run (unix socket paths are limited to 107
 bytes and a checkout may sit deep in the file system).
 
 Every node's pods hang off the one cluster bridge, so the pod network is flat: node i hands
@@ -43,21 +43,7 @@ PAUSE_IMAGE = "localhost/sftjob/pause:3.10"
 CLUSTER_DOMAIN = "cluster.local"
 SERVICE_CIDR = "10.96.0.0/16"
 DNS_SERVICE_IP = "10.96.0.10"
-CNI_BIN = "/usr/lib/cni"
-
-# Debian packages the real nodes need, by the command that must be on PATH.
-REQUIRED_COMMANDS = {
-    "containerd": "containerd", "ctr": "containerd", "runc": "runc",
-    "iptables": "iptables", "conntrack": "conntrack",
-}
-
-
-def missing_packages() -> list[str]:
-    """Debian packages to install (as root) before real nodes can start; [] when all are here."""
-    out = sorted({pkg for cmd, pkg in REQUIRED_COMMANDS.items() if shutil.which(cmd) is None})
-    if not Path(CNI_BIN, "bridge").exists():
-        out.append("containernetworking-plugins")
-    return out
+CNI_BIN = "/usr/lib/cni"   # Debian's containernetworking-plugins (hack/host-packages.sh installs it)
 
 
 def _digest(cfg: C.ClusterConfig) -> str:
@@ -122,7 +108,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   # no CAP_SYS_RESOURCE here: runc must not be asked for a negative oom_score_adj
   restrict_oom_score_adj = true
   enable_selinux = false
-  # the images are imported, never pulled: keep them from being garbage-collected
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -328,7 +313,8 @@ def ensure_host_network(cfg: C.ClusterConfig) -> None:
 def remove_host_state(cfg: C.ClusterConfig) -> None:
     """kube-proxy's iptables chains (they would redirect a next cluster's Services) and the
     socket directory. Pods' network namespaces are removed by CNI when containerd tears down
-    sandboxes; left-overs of a crashed node are cleaned by cluster._clean via the bridge."""
+    sandboxes; those a crashed node left are found by pod_netns() and removed by
+    cluster.remove_network()."""
     kp = C.bin_dir("k8s") / "kube-proxy"
     if kp.exists() and cfg.service_proxy:
         _sh(str(kp), "--cleanup", "--proxy-mode=iptables", check=False)
@@ -384,13 +370,12 @@ def pod_netns(cfg: C.ClusterConfig) -> list[str]:
     return out
 
 
-def stop_pods(cfg: C.ClusterConfig, i: int, timeout: float = 20) -> None:
+def stop_pods(cfg: C.ClusterConfig, i: int) -> None:
     """Before node i's containerd stops: kill and delete every container task it runs, so its
     shims exit and nothing of the pods outlives the cluster."""
-    addr = containerd_address(cfg, i)
-    if not Path(addr).exists():
+    if not Path(containerd_address(cfg, i)).exists():
         return
-    ctr = ["ctr", "--address", addr, "-n", "k8s.io"]
+    ctr = ctr_argv(cfg, i)
     tasks = [line.split()[0] for line in _sh(*ctr, "tasks", "ls", check=False).stdout.splitlines()[1:] if line.split()]
     for t in tasks:
         _sh(*ctr, "tasks", "kill", "--all", "--signal", "SIGKILL", t, check=False)
@@ -413,8 +398,13 @@ def config_text(cfg: C.ClusterConfig, name: str) -> str:
     return ""
 
 
+def ctr_argv(cfg: C.ClusterConfig, i: int) -> list[str]:
+    """`ctr` against node i's containerd, in the CRI's namespace."""
+    return ["ctr", "--address", containerd_address(cfg, i), "-n", "k8s.io"]
+
+
 def _ctr_for(cfg: C.ClusterConfig, node: str) -> list[str]:
-    return ["ctr", "--address", containerd_address(cfg, cfg.nodes.index(node)), "-n", "k8s.io"]
+    return ctr_argv(cfg, cfg.nodes.index(node))
 
 
 def task_pid(cfg: C.ClusterConfig, node: str, container_id: str) -> int | None:

@@ -48,14 +48,9 @@ def container_pid(cluster, p: dict) -> int:
     """The host pid of the pod's first container, from its node's containerd."""
     cid = p["status"]["containerStatuses"][0]["containerID"]
     assert cid.startswith("containerd://"), cid
-    i = cluster.cfg.nodes.index(p["spec"]["nodeName"])
-    out = subprocess.run(["ctr", "--address", realnodes.containerd_address(cluster.cfg, i), "-n", "k8s.io",
-                          "tasks", "ls"], capture_output=True, text=True, check=True).stdout
-    for line in out.splitlines()[1:]:
-        task, pid, status = line.split()[:3]
-        if task == cid.split("://")[1]:
-            return int(pid)
-    raise AssertionError(f"no task {cid} on {p['spec']['nodeName']}:\n{out}")
+    pid = realnodes.task_pid(cluster.cfg, p["spec"]["nodeName"], cid)
+    assert pid, f"container {cid} does not run on {p['spec']['nodeName']}"
+    return pid
 
 
 def pid_alive(pid: int) -> bool:
