@@ -41,10 +41,11 @@ class Kube:
         return http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=timeout)
 
     def request(self, method: str, path: str, body: Any = None, params: dict | None = None,
-                content_type: str = "application/json", timeout: float = 30) -> Any:
+                content_type: str = "application/json", timeout: float = 30, raw: bool = False) -> Any:
+        """One API call: the decoded JSON answer (the text with raw, for logs); ApiError on 4xx/5xx."""
         if params:
             path += "?" + urllib.parse.urlencode(params)
-        headers = {"Authorization": f"Bearer {self.token}", "Accept": "application/json"}
+        headers = {"Authorization": f"Bearer {self.token}", "Accept": "*/*" if raw else "application/json"}
         data = None
         if body is not None:
             data = json.dumps(body).encode()
@@ -53,11 +54,13 @@ class Kube:
         try:
             conn.request(method, path, body=data, headers=headers)
             resp = conn.getresponse()
-            text = resp.read().decode()
+            text = resp.read().decode(errors="replace")
         finally:
             conn.close()
         if resp.status >= 400:
             raise ApiError(resp.status, text, method, path)
+        if raw:
+            return text
         return json.loads(text) if text else None
 
     def get(self, path: str, **params) -> Any:
@@ -65,18 +68,7 @@ class Kube:
 
     def text(self, path: str, **params) -> str:
         """GET a plain-text subresource (a pod's log)."""
-        if params:
-            path += "?" + urllib.parse.urlencode(params)
-        conn = self._conn(30)
-        try:
-            conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}"})
-            resp = conn.getresponse()
-            text = resp.read().decode(errors="replace")
-        finally:
-            conn.close()
-        if resp.status >= 400:
-            raise ApiError(resp.status, text, "GET", path)
-        return text
+        return self.request("GET", path, params=params or None, raw=True)
 
     def create(self, path: str, body: Any) -> Any:
         return self.request("POST", path, body)
@@ -98,13 +90,20 @@ class Kube:
         more query parameters (fieldSelector, labelSelector)."""
         params = {"watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                   "timeoutSeconds": str(timeout_s), **extra}
-        conn = self._conn(timeout_s + 30)
+        for line in self.lines(path, timeout_s + 30, **params):
+            if line.strip():
+                yield json.loads(line)
+
+    def lines(self, path: str, timeout_s: float, **params: str) -> Iterator[bytes]:
+        """Yield the lines of a streamed GET (a watch, `log?follow=true`) until the server ends
+        it or the connection breaks; ApiError when the server refuses."""
+        conn = self._conn(timeout_s)
         try:
             conn.request("GET", path + "?" + urllib.parse.urlencode(params),
                          headers={"Authorization": f"Bearer {self.token}"})
             resp = conn.getresponse()
             if resp.status >= 400:
-                raise ApiError(resp.status, resp.read().decode(), "WATCH", path)
+                raise ApiError(resp.status, resp.read().decode(errors="replace"), "GET", path)
             while True:
                 try:
                     line = resp.readline()
@@ -112,7 +111,6 @@ class Kube:
                     return
                 if not line:
                     return
-                if line.strip():
-                    yield json.loads(line)
+                yield line
         finally:
             conn.close()

@@ -11,7 +11,6 @@ lines to DIR/<namespace>_<pod>/<container>.log, one file across all incarnations
 from __future__ import annotations
 
 import threading
-import urllib.parse
 from pathlib import Path
 
 from .kube import ApiError, Kube
@@ -59,22 +58,13 @@ class LogTap:
         """Stream one container's log until it ends (the container stopped or the pod went)."""
         out = self.path(pod, container)
         out.parent.mkdir(parents=True, exist_ok=True)
-        q = urllib.parse.urlencode({"container": container, "follow": "true"})
-        conn = self.kube._conn(timeout=3600)
         try:
-            conn.request("GET", f"/api/v1/namespaces/{self.ns}/pods/{pod}/log?{q}",
-                         headers={"Authorization": f"Bearer {self.kube.token}"})
-            resp = conn.getresponse()
-            if resp.status >= 400:
-                return
             with out.open("ab") as f:
-                while not self._stop.is_set():
-                    line = resp.readline()
-                    if not line:
-                        break
+                for line in self.kube.lines(f"/api/v1/namespaces/{self.ns}/pods/{pod}/log", 3600,
+                                            container=container, follow="true"):
                     f.write(line)
                     f.flush()
-        except OSError:
+                    if self._stop.is_set():
+                        return
+        except (ApiError, OSError):
             pass
-        finally:
-            conn.close()
