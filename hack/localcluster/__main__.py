@@ -21,7 +21,7 @@ def main() -> int:
     p = sub.add_parser("logs", help="print a pod's container log (as `kubectl logs`)")
     p.add_argument("namespace")
     p.add_argument("pod")
-    p.add_argument("container", nargs="?", help="default: the only/first log of the pod")
+    p.add_argument("container", nargs="?", help="default: the pod's only container")
     p = sub.add_parser("kwok-up", help="start kwok with N fake nodes (scale tests)")
     p.add_argument("--nodes", type=int, default=10)
     sub.add_parser("kwok-down", help="stop kwok and delete the fake nodes")

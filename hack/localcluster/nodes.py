@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from . import cluster
 from . import config as C
 from . import realnodes as R
 from .kube import ApiError, Kube
@@ -34,8 +35,6 @@ def node_lost(node: str, delete_pods: bool = False, cfg: C.ClusterConfig | None 
     controller manager's grace period). With delete_pods its pods are then force-deleted, as
     the pod garbage collector eventually does. The Node carries C.LOST_ANNOTATION meanwhile, so
     observers can tell a simulated loss from a real failure."""
-    from . import cluster
-
     cfg = cfg or C.load()
     i = _index(cfg, node)
     kube = Kube.from_state(cfg)
@@ -62,8 +61,6 @@ def node_lost(node: str, delete_pods: bool = False, cfg: C.ClusterConfig | None 
 
 def node_restore(node: str, cfg: C.ClusterConfig | None = None, timeout: float = 90) -> None:
     """Start a lost NODE's kubelet again and wait until the Node is Ready and untainted."""
-    from . import cluster
-
     cfg = cfg or C.load()
     i = _index(cfg, node)
     kube = Kube.from_state(cfg)
