@@ -11,6 +11,8 @@ import ipaddress
 import os
 from pathlib import Path
 
+from .images import NODE_IMAGES, cache_root
+
 REPO = Path(__file__).resolve().parents[2]
 HACK = REPO / "hack"
 
@@ -32,7 +34,7 @@ LOST_ANNOTATION = "localcluster.sftjob.io/lost"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SFTJOB_CACHE") or Path.home() / ".cache" / "sftjob")
+    return cache_root()
 
 
 def bin_dir(component: str) -> Path:
@@ -131,5 +133,5 @@ def load(environ: dict[str, str] | None = None) -> ClusterConfig:
         nodes=tuple(f"{prefix}{i}" for i in range(n_nodes)),
         node_pods=e.get("SFTJOB_NODE_PODS", "20"),
         service_proxy=e.get("SFTJOB_SERVICE_PROXY", "1") not in ("0", "false", "no"),
-        node_images=tuple(e.get("SFTJOB_NODE_IMAGES", "pause,operator,trainer").split(",")),
+        node_images=tuple(e.get("SFTJOB_NODE_IMAGES", ",".join(NODE_IMAGES)).split(",")),
     )

@@ -150,9 +150,14 @@ class ImageRef:
 # Paths, names, logging
 
 
+def cache_root() -> Path:
+    """${SFTJOB_CACHE:-~/.cache/sftjob}: the binaries, images and node stores of the local cluster."""
+    return Path(os.environ.get("SFTJOB_CACHE") or Path.home() / ".cache" / "sftjob")
+
+
 def cache_dir() -> Path:
-    """${SFTJOB_CACHE:-~/.cache/sftjob}/images: archives, stamps, logs, pip's cache."""
-    return Path(os.environ.get("SFTJOB_CACHE") or Path.home() / ".cache" / "sftjob") / "images"
+    """cache_root()/images: archives, stamps, logs, pip's cache."""
+    return cache_root() / "images"
 
 
 def app_version(root: Path = ROOT) -> str:

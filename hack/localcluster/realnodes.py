@@ -38,8 +38,8 @@ import subprocess
 from pathlib import Path
 
 from . import config as C
+from .images import PAUSE_REF
 
-PAUSE_IMAGE = "localhost/sftjob/pause:3.10"
 CLUSTER_DOMAIN = "cluster.local"
 SERVICE_CIDR = "10.96.0.0/16"
 DNS_SERVICE_IP = "10.96.0.10"
@@ -104,7 +104,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   address = ""
 
 [plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "{PAUSE_IMAGE}"
+  sandbox_image = "{PAUSE_REF}"
   # no CAP_SYS_RESOURCE here: runc must not be asked for a negative oom_score_adj
   restrict_oom_score_adj = true
   enable_selinux = false
