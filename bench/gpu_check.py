@@ -125,7 +125,8 @@ def check_attention(args, torch) -> str:
     import torch.distributed as dist
 
     from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig
-    from sftjob_trainer.data import SampleBuilder, SFTDataset, collate
+    from sftjob_trainer.data import SampleBuilder, SFTDataset
+    from sftjob_trainer.batching import collate
     from sftjob_trainer.dist import World, backend_for
     from sftjob_trainer.loss import ce_sum
     from sftjob_trainer.model import build_model, decoder_layers

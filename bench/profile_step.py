@@ -38,7 +38,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
-    from sftjob_trainer.data import GlobalBatches, SampleBuilder, SFTDataset
+    from sftjob_trainer.data import SampleBuilder, SFTDataset
+    from sftjob_trainer.batching import GlobalBatches
     from sftjob_trainer.dist import World
     from sftjob_trainer.loss import ce_sum
     from sftjob_trainer.model import build_model

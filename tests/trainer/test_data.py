@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from sftjob_trainer.config import DataConfig
-from sftjob_trainer.data import IGNORE, GlobalBatches, SampleBuilder, SFTDataset, collate
+from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
+from sftjob_trainer.batching import GlobalBatches, collate
 from sftjob_trainer.errors import InvalidData
 
 pytestmark = pytest.mark.unit

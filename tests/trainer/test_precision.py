@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from sftjob_trainer import precision
 from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig
-from sftjob_trainer.data import SampleBuilder, SFTDataset, collate
+from sftjob_trainer.data import SampleBuilder, SFTDataset
+from sftjob_trainer.batching import collate
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
@@ -132,7 +133,7 @@ def _loss_and_grads(model, mb, prec: str, products: _ProductDtypes | None = None
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "activation-checkpointing"])
 def test_widened_model_matches_native_bf16_and_fp32(assets, packed, ckpt):
     """Same loss and gradients as native bf16 autocast, up to bf16 noise; the model's layout is unchanged."""
-    from sftjob_trainer.model import LossHead
+    from sftjob_trainer.loss import LossHead
 
     ref = _model(assets, widen=False)
     fp32_loss, fp32_grads = _loss_and_grads(ref, packed, "fp32")

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig
-from sftjob_trainer.data import IGNORE, GlobalBatches, SampleBuilder, SFTDataset, collate, split_to, token_groups
+from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
+from sftjob_trainer.batching import GlobalBatches, collate, split_to, token_groups
 
 from . import runner
 
@@ -59,7 +60,7 @@ def test_packed_varlen_loss_head_equals_padded_stock_model(assets, tok):
     from transformers import AutoModelForCausalLM
 
     from sftjob_trainer.loss import ce_sum
-    from sftjob_trainer.model import LossHead
+    from sftjob_trainer.loss import LossHead
 
     f = str(assets / "data" / "chat_train.parquet")
     ds = SFTDataset([f], SampleBuilder(tok, DataConfig(train_files=[f], messages_key="messages", max_length=128)), "t")

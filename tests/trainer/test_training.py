@@ -33,7 +33,8 @@ def test_loss_falls_and_export_reproduces_val_loss(assets, tmp_path, lora):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sftjob_trainer.config import DataConfig
-    from sftjob_trainer.data import SampleBuilder, SFTDataset, eval_batches
+    from sftjob_trainer.data import SampleBuilder, SFTDataset
+    from sftjob_trainer.batching import eval_batches
     from sftjob_trainer.loss import ce_sum
 
     final = out / "hf" / "final"

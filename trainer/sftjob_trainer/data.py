@@ -1,4 +1,5 @@
-"""SFT data: parquet rows → token ids with loss targets → batches in a resumable order.
+"""SFT data: parquet rows (`parquet.py`) → token ids with loss targets → a resumable sample
+order, which `batching.py` cuts into batches.
 
 Three ideas keep this exact and light on memory:
 - Parquet is read one row group at a time (never a whole file), only the needed columns.
@@ -12,26 +13,19 @@ Three ideas keep this exact and light on memory:
 """
 from __future__ import annotations
 
-import fnmatch
-import glob
 import hashlib
 import io
 import json
 import logging
-import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-from pyarrow import fs as pafs
-import torch
 
 from . import dist as dist_utils
 from .config import DataConfig
 from .errors import InvalidData
-from .storage import is_s3, parquet_filesystem
+from .parquet import ParquetRows, resolve_files
 
 log = logging.getLogger(__name__)
 
@@ -49,126 +43,6 @@ class Sample:
     @property
     def n_targets(self) -> int:
         return sum(1 for t in self.targets if t != IGNORE)
-
-
-# --------------------------------------------------------------------------- files
-
-
-def resolve_files(patterns: list[str]) -> list[str]:
-    """Expand paths, directories and globs (local or s3://) into a sorted file list."""
-    files: list[str] = []
-    for pattern in patterns:
-        fs, path = parquet_filesystem(pattern)
-        prefix = "s3://" if is_s3(pattern) else ""
-        if any(c in path for c in "*?["):
-            if prefix:
-                base = path.split("*")[0].rsplit("/", 1)[0]
-                infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-                found = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path))
-            else:
-                found = sorted(glob.glob(path, recursive=True))
-            if not found:
-                raise InvalidData(f"no files match {pattern}")
-            files += [prefix + f for f in found]
-            continue
-        info = fs.get_file_info(path)
-        if info.type == pafs.FileType.Directory or (prefix and info.type == pafs.FileType.NotFound and path.endswith("/")):
-            infos = fs.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
-            found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
-            if not found:
-                raise InvalidData(f"no .parquet files under {pattern}")
-            files += [prefix + f for f in found]
-        elif info.type == pafs.FileType.File:
-            files.append(pattern)
-        else:
-            raise InvalidData(f"data file {pattern} does not exist")
-    return files
-
-
-class ParquetRows:
-    """Random access to rows of several parquet files, one cached row group at a time."""
-
-    def __init__(self, files: list[str], columns: list[str]):
-        self.files = files
-        self.columns = columns
-        self._handles: dict[int, pq.ParquetFile] = {}
-        groups: list[tuple[int, int, int]] = []  # (file index, row group, rows)
-        for fi, f in enumerate(files):
-            pf = self._open(fi)
-            names = set(pf.schema_arrow.names)
-            missing = [c for c in columns if c not in names]
-            if missing:
-                raise InvalidData(
-                    f"{f}: missing column(s) {', '.join(missing)} (has: {', '.join(sorted(names)) or 'none'}); "
-                    "set data.prompt_key/data.response_key or data.messages_key to the right columns"
-                )
-            for rg in range(pf.metadata.num_row_groups):
-                groups.append((fi, rg, pf.metadata.row_group(rg).num_rows))
-        self.groups = groups
-        self.group_start = np.concatenate([[0], np.cumsum([g[2] for g in groups], dtype=np.int64)])
-        self.num_rows = int(self.group_start[-1])
-        self._cache_key: int | None = None
-        self._cache: pa.Table | None = None
-
-    def _open(self, fi: int) -> pq.ParquetFile:
-        pf = self._handles.get(fi)
-        if pf is None:
-            fs, path = parquet_filesystem(self.files[fi])
-            try:
-                pf = pq.ParquetFile(fs.open_input_file(path))
-            except (pa.ArrowInvalid, OSError) as err:
-                raise InvalidData(f"{self.files[fi]}: not a readable parquet file ({err})") from None
-            self._handles[fi] = pf
-        return pf
-
-    def group_of(self, row: int) -> int:
-        return int(np.searchsorted(self.group_start, row, side="right") - 1)
-
-    def row(self, index: int) -> dict[str, Any]:
-        g = self.group_of(index)
-        if g != self._cache_key:
-            fi, rg, _ = self.groups[g]
-            # Kept as Arrow buffers (not Python objects): a rank holds one decompressed
-            # row group at a time, whatever the size of the dataset.
-            self._cache = self._open(fi).read_row_group(rg, columns=self.columns)
-            self._cache_key = g
-        j = index - int(self.group_start[g])
-        return {c: self._cache.column(c)[j].as_py() for c in self.columns}
-
-    def close(self) -> None:
-        """Drop the cached row group and the open files while Arrow is fully alive.
-
-        Arrow objects left for interpreter teardown can abort the process after a run
-        that succeeded (apache/arrow#34314); a finished rank releases them here instead.
-        """
-        self._cache, self._cache_key = None, None
-        handles, self._handles = self._handles, {}
-        for pf in handles.values():
-            try:
-                pf.close(force=True)
-            except Exception:  # noqa: BLE001 - closing is best effort; the data was already read
-                pass
-
-    def identity(self) -> list[tuple[str, int, int]]:
-        """(path, size, mtime in ns) of every file: changes whenever a file is rewritten."""
-        out = []
-        for f in self.files:
-            fs, path = parquet_filesystem(f)
-            info = fs.get_file_info(path)
-            mtime = info.mtime_ns if info.mtime_ns is not None else -1
-            out.append((f, int(info.size or 0), int(mtime)))
-        return out
-
-    def fingerprint(self) -> str:
-        """Identifies the data (files, sizes, row counts) so a resume can refuse other data."""
-        desc = [(os.path.basename(f), n) for f, n in zip(self.files, self._rows_per_file())]
-        return hashlib.sha256(json.dumps(desc).encode()).hexdigest()[:16]
-
-    def _rows_per_file(self) -> list[int]:
-        counts = [0] * len(self.files)
-        for fi, _, n in self.groups:
-            counts[fi] += n
-        return counts
 
 
 # --------------------------------------------------------------------------- tokenization
@@ -425,138 +299,3 @@ class SFTDataset:
             members = self.valid[group_ids == g]
             order.append(rng.permutation(members))
         return np.concatenate(order) if order else self.valid
-
-
-# --------------------------------------------------------------------------- batching
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    input_ids: torch.Tensor
-    targets: torch.Tensor
-    position_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
-    sample_ids: list[int]
-    n_tokens: int  # real (non-pad) tokens
-    n_targets: int
-    seq_lengths: list[int]
-
-
-def collate(samples: list[Sample], ids: list[int], packing: bool, pad_id: int) -> MicroBatch:
-    lengths = [len(s.input_ids) for s in samples]
-    if packing:
-        # One row, positions restarting per sequence and no attention mask: transformers
-        # then builds a block-diagonal causal mask (sdpa) or uses varlen flash-attention.
-        input_ids = torch.tensor([[t for s in samples for t in s.input_ids]])
-        targets = torch.tensor([[t for s in samples for t in s.targets]])
-        position_ids = torch.tensor([[p for n in lengths for p in range(n)]])
-        mask = None
-    else:
-        width = max(lengths)
-        input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-        targets = torch.full((len(samples), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(samples), width), dtype=torch.long)
-        for i, s in enumerate(samples):
-            n = len(s.input_ids)
-            input_ids[i, :n] = torch.tensor(s.input_ids)
-            targets[i, :n] = torch.tensor(s.targets)
-            mask[i, :n] = 1
-        position_ids = torch.arange(width).unsqueeze(0).expand(len(samples), -1).contiguous()
-    return MicroBatch(
-        input_ids=input_ids,
-        targets=targets,
-        position_ids=position_ids,
-        attention_mask=mask,
-        sample_ids=list(ids),
-        n_tokens=sum(lengths),
-        n_targets=sum(s.n_targets for s in samples),
-        seq_lengths=lengths,
-    )
-
-
-class GlobalBatches:
-    """The global-cursor schedule: which samples each rank trains on at each step."""
-
-    def __init__(self, dataset: SFTDataset, cfg: DataConfig, seed: int, rank: int, world: int, pad_id: int):
-        if cfg.train_batch_size % world:
-            raise InvalidData(
-                f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number of "
-                f"processes ({world})"
-            )
-        self.per_rank = cfg.train_batch_size // world
-        if self.per_rank % cfg.micro_batch_size_per_gpu:
-            raise InvalidData(
-                f"data.micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must divide the per-rank batch "
-                f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} processes)"
-            )
-        self.dataset, self.cfg, self.seed, self.rank, self.pad_id = dataset, cfg, seed, rank, pad_id
-        self.global_batch = cfg.train_batch_size
-        self.steps_per_epoch = len(dataset.valid) // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise InvalidData(
-                f"train data has {len(dataset.valid)} usable rows, fewer than one global batch "
-                f"(data.train_batch_size={self.global_batch})"
-            )
-        self._order_epoch = -1
-        self._order = np.empty(0, dtype=np.int64)
-
-    def order(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            self._order = self.dataset.epoch_order(self.seed, epoch, self.cfg.shuffle)
-            self._order_epoch = epoch
-        return self._order
-
-    def step_batches(self, epoch: int, cursor: int) -> list[MicroBatch]:
-        """The micro-batches of this rank for the global batch starting at ``cursor``."""
-        ids = self.order(epoch)[cursor : cursor + self.global_batch]
-        slices = [ids[r * self.per_rank : (r + 1) * self.per_rank] for r in range(self.global_batch // self.per_rank)]
-        mine = slices[self.rank]
-        if self.cfg.max_tokens_per_micro_batch is None:
-            m = self.cfg.micro_batch_size_per_gpu
-            groups = [mine[k : k + m] for k in range(0, len(mine), m)]
-        else:
-            # Every rank must run the same number of forwards (FSDP gathers weights in each),
-            # and each can count the others' from the shared lengths table: no communication.
-            budget = self.cfg.max_tokens_per_micro_batch
-            lengths = self.dataset.lengths
-            count = max(len(token_groups(lengths[s], budget)) for s in slices)
-            groups = [mine[g] for g in split_to(token_groups(lengths[mine], budget), count)]
-        out = []
-        for group in groups:
-            chunk = [int(i) for i in group]
-            out.append(collate([self.dataset.sample(i) for i in chunk], chunk, self.cfg.packing, self.pad_id))
-        return out
-
-
-def token_groups(lengths: np.ndarray, budget: int) -> list[slice]:
-    """Consecutive runs of samples whose lengths sum to at most ``budget`` (at least one sample each)."""
-    groups, start, used = [], 0, 0
-    for i, n in enumerate(int(x) for x in lengths):
-        if i > start and used + n > budget:
-            groups.append(slice(start, i))
-            start, used = i, 0
-        used += n
-    if len(lengths):
-        groups.append(slice(start, len(lengths)))
-    return groups
-
-
-def split_to(groups: list[slice], count: int) -> list[slice]:
-    """Split the groups with the most samples in halves until there are ``count`` of them."""
-    groups = list(groups)
-    while len(groups) < count:
-        k = max(range(len(groups)), key=lambda j: groups[j].stop - groups[j].start)
-        g = groups[k]
-        if g.stop - g.start < 2:
-            raise AssertionError("cannot split a rank's batch into more micro-batches than samples")
-        mid = g.start + (g.stop - g.start) // 2
-        groups[k : k + 1] = [slice(g.start, mid), slice(mid, g.stop)]
-    return groups
-
-
-def eval_batches(dataset: SFTDataset, micro: int, rank: int, world: int, packing: bool, pad_id: int) -> Iterator[MicroBatch]:
-    """This rank's share of the validation set in file order (every usable row once)."""
-    mine = dataset.valid[rank::world]
-    for k in range(0, len(mine), micro):
-        chunk = [int(i) for i in mine[k : k + micro]]
-        yield collate([dataset.sample(i) for i in chunk], chunk, packing, pad_id)

@@ -4,10 +4,11 @@ The LM head runs only on positions that have a target (``logits_to_keep``), so p
 tokens never cost a vocabulary-sized matmul, and the loss is a *sum* so the caller can
 normalise by the target tokens of the whole global batch.
 
-When the model's head is a `LossHead` (model.py) the head itself computes the loss in
-chunks of target tokens: per chunk the logits are formed, reduced to their
-log-sum-exp, turned into the gradient of the CE (softmax minus one-hot) and multiplied
-back into the gradients of the hidden states and of the head weight, then dropped. The
+When the model's head is a `LossHead` (below; `model.build_model` installs it) the head
+itself computes the loss in chunks of target tokens: per chunk the logits are formed,
+reduced to their log-sum-exp, turned into the gradient of the CE (softmax minus one-hot)
+and multiplied back into the gradients of the hidden states and of the head weight, then
+dropped. The
 backward pass only scales those saved gradients, so no ``[tokens, vocab]`` tensor
 outlives its chunk and the head's matmuls are not recomputed. Otherwise (e.g. a LoRA
 adapter on the head) the logits come from the model and the fp32 CE is taken in chunks.
@@ -19,12 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from .data import IGNORE, MicroBatch
-from .precision import autocast_for, gemm
+from .data import IGNORE
+from .batching import MicroBatch
+from .precision import autocast_for, gemm, widened_linear
+from .unwrap import output_head
+
+log = logging.getLogger(__name__)
 
 # Elements of one fp32 logits chunk (32 MiB): big enough for efficient matmuls, small next
 # to the activations of a micro-batch.
@@ -120,6 +127,50 @@ def chunked_ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
+# --------------------------------------------------------------------------- loss head
+
+
+class LossHead(nn.Linear):
+    """An LM head that returns the summed CE of ``targets`` while `computing_loss` is active.
+
+    Outside that context it is the plain linear layer it replaced (same parameters and
+    state-dict keys), so export, generation and checkpoints do not see a difference.
+    """
+
+    targets: torch.Tensor | None = None
+    widen_bf16: bool = False
+
+    @contextlib.contextmanager
+    def computing_loss(self, targets: torch.Tensor):
+        self.targets = targets
+        try:
+            yield
+        finally:
+            self.targets = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return widened_linear(hidden, self.weight, self.bias) if self.widen_bf16 else super().forward(hidden)
+        return linear_ce_sum(hidden, self.weight, self.targets, self.widen_bf16)
+
+
+def install_loss_head(model: nn.Module) -> bool:
+    """Turn a bias-free nn.Linear LM head into a `LossHead` in place; False if the head is something else."""
+    head = output_head(model)
+    if type(head) is not nn.Linear or head.bias is not None:
+        log.info("LM head %s is not a plain linear layer: the loss is taken on materialised logits",
+                 type(head).__name__)
+        return False
+    head.__class__ = LossHead
+    return True
+
+
+def loss_head(model: nn.Module) -> LossHead | None:
+    head = output_head(model)
+    return head if isinstance(head, LossHead) else None
+
+
+
 def varlen_kwargs(mb: MicroBatch, device: torch.device) -> dict:
     """Sequence boundaries of a packed row, in the form transformers' varlen attention reads."""
     if mb.attention_mask is not None or mb.input_ids.shape[0] != 1:
@@ -131,8 +182,6 @@ def varlen_kwargs(mb: MicroBatch, device: torch.device) -> dict:
 
 def ce_sum(model, mb: MicroBatch, device: torch.device, precision: str) -> torch.Tensor:
     """Sum of the cross-entropy over every target token of the micro-batch."""
-    from .model import loss_head
-
     targets = mb.targets.to(device)
     keep = (targets != IGNORE).any(dim=0).nonzero().squeeze(1)
     kept = targets[:, keep]

@@ -8,7 +8,7 @@ the others build on the meta device and receive their shards.
 What this file decides for a run:
 - the attention kernel (attention.py: flash-attention only for bf16 on CUDA, else
   ``sdpa_varlen``, our per-sequence sdpa for packed rows);
-- `LossHead`: the LM head, which (while a loss is requested) returns the summed
+- the loss head (`loss.LossHead`, installed here): the LM head, which (while a loss is requested) returns the summed
   cross-entropy of its targets instead of logits, computed in vocabulary chunks so that
   ``[tokens, vocab]`` logits never exist at once (see `loss.py`). It stays inside the
   model's forward, so FSDP2 has the head's weight gathered while it runs.
@@ -26,7 +26,6 @@ What this file decides for a run:
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 
@@ -37,55 +36,11 @@ from .attention import pick_attention, register_attention
 from .config import LoraConfig, ModelConfig
 from .dist import World
 from .errors import InvalidConfig
-from .precision import WidenedBf16Linear, fsdp_mixed_precision, widened_linear
+from .loss import install_loss_head
+from .precision import WidenedBf16Linear, fsdp_mixed_precision
+from .unwrap import output_head, unwrap
 
 log = logging.getLogger(__name__)
-
-# --------------------------------------------------------------------------- loss head
-
-
-class LossHead(nn.Linear):
-    """An LM head that returns the summed CE of ``targets`` while `computing_loss` is active.
-
-    Outside that context it is the plain linear layer it replaced (same parameters and
-    state-dict keys), so export, generation and checkpoints do not see a difference.
-    """
-
-    targets: torch.Tensor | None = None
-    widen_bf16: bool = False
-
-    @contextlib.contextmanager
-    def computing_loss(self, targets: torch.Tensor):
-        self.targets = targets
-        try:
-            yield
-        finally:
-            self.targets = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.targets is None:
-            return widened_linear(hidden, self.weight, self.bias) if self.widen_bf16 else super().forward(hidden)
-        from .loss import linear_ce_sum
-
-        return linear_ce_sum(hidden, self.weight, self.targets, self.widen_bf16)
-
-
-def install_loss_head(model: nn.Module) -> bool:
-    """Turn a bias-free nn.Linear LM head into a `LossHead` in place; False if the head is something else."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if type(head) is not nn.Linear or head.bias is not None:
-        log.info("LM head %s is not a plain linear layer: the loss is taken on materialised logits",
-                 type(head).__name__)
-        return False
-    head.__class__ = LossHead
-    return True
-
-
-def loss_head(model: nn.Module) -> LossHead | None:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    return head if isinstance(head, LossHead) else None
 
 
 def widen_bf16_gemms(model: nn.Module) -> None:
@@ -153,7 +108,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks, found the way most HF causal LMs name them."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = unwrap(model)
     for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "transformer.blocks"):
         node = inner
         try:
@@ -271,11 +226,11 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
 
 def matmul_params(model: nn.Module) -> int:
     """Parameters that take part in matmuls (all but input embeddings): the 6·N of MFU."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = unwrap(model)
     emb = inner.get_input_embeddings()
     n_emb = emb.weight.numel() if emb is not None else 0
     total = sum(p.numel() for n, p in inner.named_parameters() if "lora_" not in n)
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    head = output_head(inner)
     if head is not None and emb is not None and head.weight is emb.weight:
         return total  # tied: the one table is both a lookup and the LM head's matmul
     return total - n_emb
@@ -283,7 +238,7 @@ def matmul_params(model: nn.Module) -> int:
 
 def attention_dims(model: nn.Module) -> tuple[int, int]:
     """(number of layers, heads × head_dim) for the attention FLOPs term."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = unwrap(model)
     c = inner.config
     heads = getattr(c, "num_attention_heads", 0)
     head_dim = getattr(c, "head_dim", None) or (c.hidden_size // max(heads, 1))

@@ -12,7 +12,8 @@ import torch
 from . import checkpoint as ckpt
 from . import dist as dist_utils
 from .config import SFTConfig
-from .data import GlobalBatches, SampleBuilder, SFTDataset, eval_batches
+from .data import SampleBuilder, SFTDataset
+from .batching import GlobalBatches, eval_batches
 from .dist import World
 from .errors import InvalidConfig
 from .export import export
@@ -23,6 +24,7 @@ from .optim import build_optimizer, set_lr
 from .outputs import Outputs
 from .precision import use_widened_bf16
 from .storage import local_model_path
+from .unwrap import unwrap
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +273,7 @@ class Trainer:
         return val_loss
 
     def export(self) -> str:
-        inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        inner.config.use_cache = True  # training turned the KV cache off; serving wants it
+        unwrap(self.model).config.use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
         export(self.model, self.tokenizer, self.output / "hf", self.model_path, lora, self.cfg.lora.merge_on_export,
                self.world.rank, base_model_ref=str(self.cfg.model.path))

@@ -1,0 +1,151 @@
+"""Batches: samples → micro-batches (packed or padded) in a resumable global order.
+
+A global batch is a slice of the dataset's order (`SFTDataset.order`, a pure function of
+seed and epoch) at one global sample cursor; each rank takes its share of it, so a
+checkpoint written by N processes resumes on M processes with the same samples. Packing
+groups a rank's samples into rows under a token budget (`token_groups`), and the rows are
+spread over the micro-batches of an accumulation (`split_to`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .config import DataConfig
+from .data import IGNORE, Sample, SFTDataset
+from .errors import InvalidData
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    sample_ids: list[int]
+    n_tokens: int  # real (non-pad) tokens
+    n_targets: int
+    seq_lengths: list[int]
+
+
+def collate(samples: list[Sample], ids: list[int], packing: bool, pad_id: int) -> MicroBatch:
+    lengths = [len(s.input_ids) for s in samples]
+    if packing:
+        # One row, positions restarting per sequence and no attention mask: transformers
+        # then builds a block-diagonal causal mask (sdpa) or uses varlen flash-attention.
+        input_ids = torch.tensor([[t for s in samples for t in s.input_ids]])
+        targets = torch.tensor([[t for s in samples for t in s.targets]])
+        position_ids = torch.tensor([[p for n in lengths for p in range(n)]])
+        mask = None
+    else:
+        width = max(lengths)
+        input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+        targets = torch.full((len(samples), width), IGNORE, dtype=torch.long)
+        mask = torch.zeros((len(samples), width), dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s.input_ids)
+            input_ids[i, :n] = torch.tensor(s.input_ids)
+            targets[i, :n] = torch.tensor(s.targets)
+            mask[i, :n] = 1
+        position_ids = torch.arange(width).unsqueeze(0).expand(len(samples), -1).contiguous()
+    return MicroBatch(
+        input_ids=input_ids,
+        targets=targets,
+        position_ids=position_ids,
+        attention_mask=mask,
+        sample_ids=list(ids),
+        n_tokens=sum(lengths),
+        n_targets=sum(s.n_targets for s in samples),
+        seq_lengths=lengths,
+    )
+
+
+class GlobalBatches:
+    """The global-cursor schedule: which samples each rank trains on at each step."""
+
+    def __init__(self, dataset: SFTDataset, cfg: DataConfig, seed: int, rank: int, world: int, pad_id: int):
+        if cfg.train_batch_size % world:
+            raise InvalidData(
+                f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number of "
+                f"processes ({world})"
+            )
+        self.per_rank = cfg.train_batch_size // world
+        if self.per_rank % cfg.micro_batch_size_per_gpu:
+            raise InvalidData(
+                f"data.micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must divide the per-rank batch "
+                f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} processes)"
+            )
+        self.dataset, self.cfg, self.seed, self.rank, self.pad_id = dataset, cfg, seed, rank, pad_id
+        self.global_batch = cfg.train_batch_size
+        self.steps_per_epoch = len(dataset.valid) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise InvalidData(
+                f"train data has {len(dataset.valid)} usable rows, fewer than one global batch "
+                f"(data.train_batch_size={self.global_batch})"
+            )
+        self._order_epoch = -1
+        self._order = np.empty(0, dtype=np.int64)
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            self._order = self.dataset.epoch_order(self.seed, epoch, self.cfg.shuffle)
+            self._order_epoch = epoch
+        return self._order
+
+    def step_batches(self, epoch: int, cursor: int) -> list[MicroBatch]:
+        """The micro-batches of this rank for the global batch starting at ``cursor``."""
+        ids = self.order(epoch)[cursor : cursor + self.global_batch]
+        slices = [ids[r * self.per_rank : (r + 1) * self.per_rank] for r in range(self.global_batch // self.per_rank)]
+        mine = slices[self.rank]
+        if self.cfg.max_tokens_per_micro_batch is None:
+            m = self.cfg.micro_batch_size_per_gpu
+            groups = [mine[k : k + m] for k in range(0, len(mine), m)]
+        else:
+            # Every rank must run the same number of forwards (FSDP gathers weights in each),
+            # and each can count the others' from the shared lengths table: no communication.
+            budget = self.cfg.max_tokens_per_micro_batch
+            lengths = self.dataset.lengths
+            count = max(len(token_groups(lengths[s], budget)) for s in slices)
+            groups = [mine[g] for g in split_to(token_groups(lengths[mine], budget), count)]
+        out = []
+        for group in groups:
+            chunk = [int(i) for i in group]
+            out.append(collate([self.dataset.sample(i) for i in chunk], chunk, self.cfg.packing, self.pad_id))
+        return out
+
+
+def token_groups(lengths: np.ndarray, budget: int) -> list[slice]:
+    """Consecutive runs of samples whose lengths sum to at most ``budget`` (at least one sample each)."""
+    groups, start, used = [], 0, 0
+    for i, n in enumerate(int(x) for x in lengths):
+        if i > start and used + n > budget:
+            groups.append(slice(start, i))
+            start, used = i, 0
+        used += n
+    if len(lengths):
+        groups.append(slice(start, len(lengths)))
+    return groups
+
+
+def split_to(groups: list[slice], count: int) -> list[slice]:
+    """Split the groups with the most samples in halves until there are ``count`` of them."""
+    groups = list(groups)
+    while len(groups) < count:
+        k = max(range(len(groups)), key=lambda j: groups[j].stop - groups[j].start)
+        g = groups[k]
+        if g.stop - g.start < 2:
+            raise AssertionError("cannot split a rank's batch into more micro-batches than samples")
+        mid = g.start + (g.stop - g.start) // 2
+        groups[k : k + 1] = [slice(g.start, mid), slice(mid, g.stop)]
+    return groups
+
+
+def eval_batches(dataset: SFTDataset, micro: int, rank: int, world: int, packing: bool, pad_id: int) -> Iterator[MicroBatch]:
+    """This rank's share of the validation set in file order (every usable row once)."""
+    mine = dataset.valid[rank::world]
+    for k in range(0, len(mine), micro):
+        chunk = [int(i) for i in mine[k : k + micro]]
+        yield collate([dataset.sample(i) for i in chunk], chunk, packing, pad_id)
