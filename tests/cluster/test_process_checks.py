@@ -8,19 +8,19 @@ import time
 
 import pytest
 
-from hack.localcluster.cluster import _alive, _running
+from hack.localcluster.proc import alive, running
 
 pytestmark = pytest.mark.unit
 
 
 def test_running_ignores_the_command_line_but_not_death():
     me = os.getpid()
-    assert _running(me)
-    assert not _alive(me, "/no/such/state-dir")  # the marker check alone would call it dead
+    assert running(me)
+    assert not alive(me, "/no/such/state-dir")  # the marker check alone would call it dead
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.time() + 10
-    while _running(child.pid) and time.time() < deadline:  # exits, stays a zombie until reaped
+    while running(child.pid) and time.time() < deadline:  # exits, stays a zombie until reaped
         time.sleep(0.05)
-    assert not _running(child.pid)
+    assert not running(child.pid)
     child.wait()
-    assert not _running(child.pid) and not _running(None)
+    assert not running(child.pid) and not running(None)
