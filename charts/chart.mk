@@ -48,7 +48,7 @@ chart-test-cluster: install ## Chart on the local cluster: install, example to S
 	$(PY) -m pytest tests/chart -m cluster $(PYTEST_ARGS)
 
 # With a docker engine: docker build, the published bases. Without one (this project's
-# machines): hack/localcluster/images.py builds the base, pause, operator and trainer images
+# machines): hack/localcluster/images/ builds the base, pause, operator and trainer images
 # with buildah on a Debian base made here (CPU trainer, no flash-attn) and caches them as
 # archives under $(SFTJOB_CACHE)/images (images/README.md).
 images: ## Build the operator and trainer images: docker build if a docker engine answers, else buildah here (images/README.md)
@@ -57,7 +57,7 @@ images: ## Build the operator and trainer images: docker build if a docker engin
 	  docker build -f images/operator/Dockerfile -t $(OPERATOR_IMAGE) . && \
 	  docker build -f images/trainer/Dockerfile -t $(TRAINER_IMAGE) .; \
 	else \
-	  echo "no docker engine answers: building with buildah (hack/localcluster/images.py)"; \
+	  echo "no docker engine answers: building with buildah (hack/localcluster/images)"; \
 	  SFTJOB_CACHE=$(SFTJOB_CACHE) $(PYTHON) -m hack.localcluster.images --operator-image $(OPERATOR_IMAGE) --trainer-image $(TRAINER_IMAGE) build; \
 	fi
 

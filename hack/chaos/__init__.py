@@ -7,6 +7,7 @@ The same small job (tiny model, S3 output, a checkpoint every few steps) runs tw
 the operator the chart installs: once untouched, once while faults are injected at seeded
 random moments. Both must succeed with bitwise identical final weights; no committed
 checkpoint may be lost; the job's restart counters must equal the faults injected, by cause.
-See hack/chaos/run.py for the flow and hack/chaos/faults.py for each fault.
+See hack/chaos/run.py for the flow (harness.py, runner.py and report.py hold its steps) and
+hack/chaos/faults.py for each fault.
 """
 from .faults import KINDS  # noqa: F401

@@ -20,16 +20,15 @@ goes to every process of the trainer container through its node's containerd.
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hack import localcluster
-from hack.localcluster import cluster as lc
+from hack.localcluster import components, proc
 from hack.localcluster import realnodes
+from hack.localcluster.credentials import ensure_secrets
 from hack.localcluster.kube import ApiError
 
 PREEMPTION = "preemption"
@@ -244,7 +243,7 @@ class Injector:
 
 def minio_stop(cfg) -> None:
     """Stop the cluster's MinIO the way `cluster-down` stops a component (SIGTERM, then SIGKILL)."""
-    lc._stop(cfg, "minio", timeout=10)
+    proc.stop(cfg, "minio", timeout=10)
 
 
 def minio_start(cfg, timeout: float = 120) -> None:
@@ -252,15 +251,9 @@ def minio_start(cfg, timeout: float = 120) -> None:
     pid file and log), and wait until it is live. Unlike `up`, no free-port check first: the
     connections the old MinIO closed linger in TIME_WAIT, which a plain bind() test mistakes
     for a taken port, while MinIO itself binds with SO_REUSEADDR."""
-    sec = lc.ensure_secrets(cfg)
-    argv, env = lc._argv(cfg, "minio", sec)
-    logf = cfg.logs / "minio.log"
-    script = 'exec 0</dev/null; "$@" >>"$LOG" 2>&1 & echo $!'
-    out = subprocess.run(["setsid", "sh", "-c", script, "sh", *argv], check=True, capture_output=True, text=True,
-                         env={**(env or os.environ), "LOG": str(logf)}, cwd=str(lc.C.REPO))
-    (cfg.pids / "minio.pid").write_text(out.stdout.strip())
-    (cfg.pids / "minio.config").write_text(lc._fingerprint(argv))
-    lc._wait(cfg, "minio", timeout)
+    argv, env = components.command(cfg, "minio", ensure_secrets(cfg))
+    components.start(cfg, "minio", argv, env, check_ports=False)
+    components.wait(cfg, "minio", timeout)
 
 
 def minio_live(cfg) -> bool:

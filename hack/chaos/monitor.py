@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hack.localcluster.config import LOST_ANNOTATION

@@ -67,7 +67,7 @@ class ClusterConfig:
     # kube-proxy's iptables chains have fixed names in the host's network namespace: only one
     # cluster per machine can route Services. A second cluster (the lifecycle test) runs without.
     service_proxy: bool
-    # what `up` imports into each node's containerd (hack/localcluster/images.py names)
+    # what `up` imports into each node's containerd (hack/localcluster/images/spec.py names)
     node_images: tuple[str, ...]
 
     @property

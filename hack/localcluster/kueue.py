@@ -26,9 +26,11 @@ from pathlib import Path
 
 import yaml
 
-from . import cluster
+from . import cluster, proc
 from . import config as C
+from .components import kube_bin, start
 from .kube import ApiError, Kube
+from .proc import log, sh
 
 NAMESPACE_LABEL = "localcluster.sftjob.io/kueue"
 WEBHOOK_PORT = int(os.environ.get("SFTJOB_KUEUE_WEBHOOK_PORT", "19443"))
@@ -59,9 +61,9 @@ def _certs(cfg: C.ClusterConfig) -> None:
     ext = d / "serving.ext"
     ext.write_text("basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
                    f"extendedKeyUsage=serverAuth\nsubjectAltName=IP:{cfg.host_ip},IP:127.0.0.1\n")
-    cluster._sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(webhook / "tls.key"),
+    sh("openssl", "req", "-new", "-newkey", "rsa:2048", "-nodes", "-keyout", str(webhook / "tls.key"),
                 "-out", str(d / "serving.csr"), "-subj", "/CN=kueue-webhook")
-    cluster._sh("openssl", "x509", "-req", "-in", str(d / "serving.csr"), "-CA", str(pki / "ca.crt"),
+    sh("openssl", "x509", "-req", "-in", str(d / "serving.csr"), "-CA", str(pki / "ca.crt"),
                 "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650", "-extfile", str(ext),
                 "-out", str(webhook / "tls.crt"))
     for f in ("tls.crt", "tls.key"):
@@ -112,7 +114,7 @@ def _webhooks(cfg: C.ClusterConfig) -> list[dict]:
 
 
 def _kubectl(cfg: C.ClusterConfig, *args: str, input: str | None = None) -> None:
-    subprocess.run([cluster.kube_bin("kubectl"), f"--kubeconfig={cfg.kubeconfig}", *args], check=True,
+    subprocess.run([kube_bin("kubectl"), f"--kubeconfig={cfg.kubeconfig}", *args], check=True,
                    capture_output=True, text=True, input=input, timeout=180)
 
 
@@ -126,7 +128,7 @@ def _healthy() -> bool:
 
 def is_up(cfg: C.ClusterConfig | None = None) -> bool:
     cfg = cfg or C.load()
-    return cluster._alive(cluster._pid(cfg, "kueue"), str(cfg.state_dir)) and _healthy()
+    return proc.alive(proc.read_pid(cfg, "kueue"), str(cfg.state_dir)) and _healthy()
 
 
 def kueue_up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.ClusterConfig:
@@ -136,8 +138,8 @@ def kueue_up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.Clus
     cluster.ensure_binaries(("kueue",))
     if is_up(cfg):
         return cfg
-    with cluster._locked(cfg):
-        if not cluster._alive(cluster._pid(cfg, "kueue"), str(cfg.state_dir)):
+    with proc.locked(cfg):
+        if not proc.alive(proc.read_pid(cfg, "kueue"), str(cfg.state_dir)):
             t0 = time.time()
             _certs(cfg)
             conf = _config(cfg)
@@ -162,17 +164,17 @@ def kueue_up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.Clus
                     str(d / "etc"), str(d / "overlay-work"),
                     str(_home() / "bin" / "kueue"), f"--config={conf}", "--feature-gates=VisibilityOnDemand=false",
                     "--zap-log-level=info"]
-            cluster._start(cfg, "kueue", argv, {**os.environ, "KUBECONFIG": str(cfg.kubeconfig)})
+            start(cfg, "kueue", argv, {**os.environ, "KUBECONFIG": str(cfg.kubeconfig)})
             deadline = time.time() + timeout
             while not _healthy():
-                if time.time() > deadline or not cluster._running(cluster._pid(cfg, "kueue")):
+                if time.time() > deadline or not proc.running(proc.read_pid(cfg, "kueue")):
                     tail = "\n".join((cfg.logs / "kueue.log").read_text(errors="replace").splitlines()[-30:])
                     raise RuntimeError(f"kueue did not become ready; last log lines:\n{tail}")
                 time.sleep(0.5)
             hooks = _webhooks(cfg)
             _kubectl(cfg, "apply", "--server-side", "--force-conflicts", "-f", "-",
                      input="\n---\n".join(yaml.safe_dump(h) for h in hooks))
-            cluster.log(f"kueue ready in {time.time() - t0:.1f}s (webhook https://{cfg.host_ip}:{WEBHOOK_PORT})")
+            log(f"kueue ready in {time.time() - t0:.1f}s (webhook https://{cfg.host_ip}:{WEBHOOK_PORT})")
     # The webhook configuration is read by the API server asynchronously: wait until a
     # Kueue object is actually defaulted through it (a ResourceFlavor dry-run).
     _wait_webhook(cfg)
@@ -209,4 +211,4 @@ def kueue_down(cfg: C.ClusterConfig | None = None) -> None:
             kube.delete(f"/apis/admissionregistration.k8s.io/v1/{kind}/{name}")
         except (ApiError, OSError):
             pass
-    cluster._stop(cfg, "kueue")
+    proc.stop(cfg, "kueue")

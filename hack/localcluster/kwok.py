@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import time
 
-from . import cluster
+from . import cluster, proc
 from . import config as C
+from .components import start
 from .kube import ApiError, Kube
 
 STAGES = ["node/fast/node-initialize.yaml", "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
@@ -25,12 +26,12 @@ def kwok_up(nodes: int = 10, cfg: C.ClusterConfig | None = None, cpu: str = "32"
     cfg = cfg or C.load()
     cluster.ensure_binaries(("kwok",))
     home = C.bin_dir("kwok").parent
-    if not cluster._alive(cluster._pid(cfg, "kwok"), str(cfg.state_dir)):
+    if not proc.alive(proc.read_pid(cfg, "kwok"), str(cfg.state_dir)):
         argv = [str(home / "bin" / "kwok"), f"--kubeconfig={cfg.kubeconfig}", "--manage-all-nodes=false",
                 "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                 "--node-lease-duration-seconds=40", "--cidr=10.250.0.0/16", f"--node-ip={cfg.host_ip}",
                 "--config=" + ",".join(str(home / "stage" / s) for s in STAGES)]
-        cluster._start(cfg, "kwok", argv)
+        start(cfg, "kwok", argv)
     kube = Kube.from_state(cfg)
     names = [f"{prefix}{i}" for i in range(nodes)]
     cap = {"cpu": cpu, "memory": memory, "pods": pods}
@@ -64,7 +65,7 @@ def kwok_up(nodes: int = 10, cfg: C.ClusterConfig | None = None, cpu: str = "32"
 def kwok_down(cfg: C.ClusterConfig | None = None) -> None:
     """Stop kwok and delete every fake node (their pods are then garbage-collected)."""
     cfg = cfg or C.load()
-    cluster._stop(cfg, "kwok")
+    proc.stop(cfg, "kwok")
     kube = Kube.from_state(cfg)
     for n in kube.get("/api/v1/nodes", labelSelector="type=kwok")["items"]:
         try:

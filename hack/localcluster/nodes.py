@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 
-from . import cluster
 from . import config as C
+from . import proc
 from . import realnodes as R
+from .components import start_component
 from .kube import ApiError, Kube
 
 
@@ -39,7 +40,7 @@ def node_lost(node: str, delete_pods: bool = False, cfg: C.ClusterConfig | None 
     i = _index(cfg, node)
     kube = Kube.from_state(cfg)
     kube.merge_patch(f"/api/v1/nodes/{node}", {"metadata": {"annotations": {C.LOST_ANNOTATION: "true"}}})
-    cluster.kill_component(cfg, f"kubelet-{i}")
+    proc.kill_component(cfg, f"kubelet-{i}")
     if kill_containers:
         R.stop_pods(cfg, i)
     deadline = time.time() + timeout
@@ -64,7 +65,7 @@ def node_restore(node: str, cfg: C.ClusterConfig | None = None, timeout: float =
     cfg = cfg or C.load()
     i = _index(cfg, node)
     kube = Kube.from_state(cfg)
-    cluster.start_component(cfg, f"kubelet-{i}")
+    start_component(cfg, f"kubelet-{i}")
     deadline = time.time() + timeout
     while True:
         n = kube.get(f"/api/v1/nodes/{node}")

@@ -34,7 +34,7 @@ def _bench():
 @pytest.mark.unit
 def test_plan_covers_every_kind_and_is_seeded():
     from hack.chaos.faults import KINDS
-    from hack.chaos.run import plan_kinds
+    from hack.chaos.runner import plan_kinds
 
     kinds = list(KINDS)
     for seed in range(20):
@@ -50,7 +50,7 @@ def test_plan_covers_every_kind_and_is_seeded():
 @pytest.mark.unit
 def test_restarts_are_attributed_to_the_fault_before_them():
     from hack.chaos.faults import Fault
-    from hack.chaos.run import attribute
+    from hack.chaos.report import attribute
 
     class Mon:
         samples: list = []

@@ -1,26 +1,55 @@
-"""How `up` tells a component that is starting from one that died (no cluster needed)."""
+"""How `up` tells a component that is starting from one that died, and how it starts one
+(no cluster needed: a sleeping Python process stands in for the component)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from hack.localcluster.cluster import _alive, _running
+from hack.localcluster import components, proc
+from hack.localcluster import config as C
+from hack.localcluster.proc import alive, running
 
 pytestmark = pytest.mark.unit
 
 
 def test_running_ignores_the_command_line_but_not_death():
     me = os.getpid()
-    assert _running(me)
-    assert not _alive(me, "/no/such/state-dir")  # the marker check alone would call it dead
+    assert running(me)
+    assert not alive(me, "/no/such/state-dir")  # the marker check alone would call it dead
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     deadline = time.time() + 10
-    while _running(child.pid) and time.time() < deadline:  # exits, stays a zombie until reaped
+    while running(child.pid) and time.time() < deadline:  # exits, stays a zombie until reaped
         time.sleep(0.05)
-    assert not _running(child.pid)
+    assert not running(child.pid)
     child.wait()
-    assert not _running(child.pid) and not _running(None)
+    assert not running(child.pid) and not running(None)
+
+
+def test_start_refuses_a_taken_port_unless_told_and_records_its_configuration(tmp_path):
+    """The free-port check guards every start except MinIO's restart by the chaos harness
+    (its old connections linger in TIME_WAIT); either way the pid and the fingerprint that
+    stale_components() compares are written."""
+    name = "kube-controller-manager"  # listens on 127.0.0.1:<kcm_port> only
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cfg = C.load({"SFTJOB_CLUSTER_DIR": str(tmp_path / "cluster"), "SFTJOB_KCM_PORT": str(taken.getsockname()[1])})
+        for sub in ("logs", "pids"):
+            (cfg.state_dir / sub).mkdir(parents=True)
+        argv = [sys.executable, "-c", "import time; time.sleep(60)", str(cfg.state_dir)]
+        with pytest.raises(RuntimeError, match="is in use"):
+            components.start(cfg, name, argv)
+        assert proc.read_pid(cfg, name) is None
+        components.start(cfg, name, argv, check_ports=False)
+    pid = proc.read_pid(cfg, name)
+    try:
+        assert alive(pid, proc.marker(cfg, name))
+        assert (cfg.pids / f"{name}.config").read_text() == components.fingerprint(cfg, name, argv)
+    finally:
+        proc.stop(cfg, name, timeout=5)
+    assert not alive(pid, proc.marker(cfg, name)) and proc.read_pid(cfg, name) is None

@@ -1,4 +1,4 @@
-"""hack/localcluster/images.py without building anything: which inputs an image's cache key
+"""hack/localcluster/images without building anything: which inputs an image's cache key
 covers, the .dockerignore rules that decide what is in a build context, the cache's stamps,
 the errors for missing tools, and the OCI layout load() streams to ctr."""
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from hack.localcluster import images
+from hack.localcluster.images import cache, containerd, spec
+from hack.localcluster.images import keys as input_keys
 
 pytestmark = pytest.mark.unit
 REPO = images.ROOT
@@ -38,7 +40,7 @@ def repo(tmp_path, monkeypatch) -> Path:
     (root / "tests" / "test_x.py").write_text("def test(): pass\n")
     (root / "trainer" / "notes.md").write_text("not in the distribution\n")
     # The pause image's key includes the compiler's identity; it is not what is tested here.
-    monkeypatch.setattr(images, "_gcc_identity", lambda: "12.2.0 x86_64-linux-gnu")
+    monkeypatch.setattr(input_keys, "_gcc_identity", lambda: "12.2.0 x86_64-linux-gnu")
     return root
 
 
@@ -116,7 +118,7 @@ def test_pyproject_is_an_input_the_readme_is_not(repo):
 
 def test_pause_source_changes_only_pause(repo):
     before = keys(repo)
-    src = repo / images.PAUSE_SOURCE
+    src = repo / spec.PAUSE_SOURCE
     src.write_text(src.read_text() + "\n/* edited */\n")
     assert changed(before, keys(repo)) == {"pause"}
 
@@ -143,8 +145,7 @@ def test_the_base_recipe_and_apt_sources_are_inputs(repo, tmp_path, monkeypatch)
     before = keys(repo)
     sources.write_text(sources.read_text().replace("main", "main contrib"))
     assert changed(before, keys(repo)) == {"base"}
-    monkeypatch.setattr(images, "BASE_PACKAGES", (*images.BASE_PACKAGES, "tini"))
-    monkeypatch.setattr(images, "MMDEBSTRAP_OPTS", (*images.MMDEBSTRAP_OPTS, "--include=tini"))
+    monkeypatch.setattr(input_keys, "MMDEBSTRAP_OPTS", (*spec.MMDEBSTRAP_OPTS, "--include=tini"))
     assert changed(before, keys(repo)) == {"base"}
 
 
@@ -227,9 +228,9 @@ def test_missing_tools_name_their_debian_package(monkeypatch, tmp_path):
 
 def test_unknown_image_names_are_refused():
     with pytest.raises(images.ImagesError, match="unknown image 'nope'"):
-        images._with_dependencies(["nope"])
-    assert images._with_dependencies(["trainer"]) == ["base", "trainer"]
-    assert images._with_dependencies(["pause", "operator"]) == ["base", "pause", "operator"]
+        cache._with_dependencies(["nope"])
+    assert cache._with_dependencies(["trainer"]) == ["base", "trainer"]
+    assert cache._with_dependencies(["pause", "operator"]) == ["base", "pause", "operator"]
 
 
 def test_refs_default_to_the_chart_and_crd_defaults():
@@ -268,7 +269,7 @@ def test_the_oci_layout_names_the_image_and_leaves_out_the_layers_the_node_has(t
     layers = [b"base layer" * 100, b"requirements" * 1000, b"sources"]
     config, digests = docker_archive(archive, "ghcr.io/sftjob/x:1", layers)
     out = io.BytesIO()
-    sent = images._oci_layout(archive, "ghcr.io/sftjob/x:1", {digests[0], digests[1], "sha256:" + "e" * 64}, out)
+    sent = containerd._oci_layout(archive, "ghcr.io/sftjob/x:1", {digests[0], digests[1], "sha256:" + "e" * 64}, out)
     assert sent == len(layers[2])
     out.seek(0)
     with tarfile.open(fileobj=out) as tar:

@@ -1,5 +1,5 @@
 """The images as a node runs them: built (or reused from the cache) by
-hack/localcluster/images.py, imported with load() into a throwaway containerd of this test's
+hack/localcluster/images, imported with load() into a throwaway containerd of this test's
 own, and run with ctr and runc as the kubelet's containerd would run them.
 
 Needs root, buildah, mmdebstrap, gcc, containerd, ctr, runc and nsenter; a cold build of the
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hack.localcluster import images
+from hack.localcluster.images import containerd as image_load
 
 pytestmark = pytest.mark.slow
 TOOLS = ("buildah", "mmdebstrap", "gcc", "containerd", "ctr", "runc", "containerd-shim-runc-v2", "nsenter")
@@ -273,16 +274,16 @@ def test_load_sends_only_the_layers_a_node_lacks(loaded, built, tmp_path):
     """A source edit changes an image's last, small layer; importing it must not stream the GBs
     below it again (the node holds them)."""
     address, _ = loaded
-    assert images._import(address, "k8s.io", built["operator"], None) == 0
+    assert image_load._import(address, "k8s.io", built["operator"], None) == 0
     ref = f"localhost/sftjob/derived:{uuid.uuid4().hex[:8]}"
     archive = tmp_path / "derived.tar"
     image_id, layer_size = derived_archive(built["operator"].archive, archive, ref, {"derived.txt": b"top layer\n"})
     img = dataclasses.replace(built["operator"], name="derived", ref=ref, archive=archive, image_id=image_id,
                               size=archive.stat().st_size)
     try:
-        assert images._import(address, "k8s.io", img, None) == layer_size
-        ready = images._ready_images(address, "k8s.io")
-        assert images._config_digest(address, "k8s.io", ready[ref]) == image_id
+        assert image_load._import(address, "k8s.io", img, None) == layer_size
+        ready = image_load._ready_images(address, "k8s.io")
+        assert image_load._config_digest(address, "k8s.io", ready[ref]) == image_id
         res = run(address, ref, "python3", "-c", "import os; print(os.getuid(), open('/derived.txt').read(), end='')")
         assert res.returncode == 0 and res.stdout == "65532 top layer\n", res.stdout + res.stderr
     finally:

@@ -1,0 +1,148 @@
+"""Loading the node images into a containerd: each image is streamed to `ctr images import`
+as an OCI layout without the layers that containerd already holds, and skipped when it holds
+the image, unpacked, with the same config digest."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from .cache import build
+from .spec import NODE_IMAGES, ImageRef, ImagesError
+from .tools import human, log, need, run
+
+
+def _ctr(address: str, namespace: str, *args: str) -> str:
+    return run([need("ctr"), "--address", address, "-n", namespace, *args])
+
+
+def _ready_images(address: str, namespace: str, snapshotter: str | None = None) -> dict[str, str]:
+    """ref -> manifest digest of the images that are complete and unpacked (for the default
+    snapshotter, or `snapshotter`)."""
+    extra = ["--snapshotter", snapshotter] if snapshotter else []
+    ready = set(_ctr(address, namespace, "images", "check", "-q", *extra).split())
+    out = {}
+    for line in _ctr(address, namespace, "images", "ls").splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 3 and fields[0] in ready:
+            out[fields[0]] = fields[2]
+    return out
+
+
+def _config_digest(address: str, namespace: str, manifest_digest: str) -> str | None:
+    try:
+        manifest = json.loads(_ctr(address, namespace, "content", "get", manifest_digest))
+    except (ImagesError, ValueError):
+        return None
+    return manifest.get("config", {}).get("digest")
+
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+
+
+def _oci_layout(archive: Path, ref: str, have: set[str], out) -> int:
+    """Write to the binary stream `out` an OCI image layout (tar) of the image in the
+    docker-archive `archive`, named `ref` for containerd, leaving out the layer blobs whose
+    digests are in `have` (the containerd holds them; its unpacker reuses them). The config is
+    copied byte for byte, so the image ID stays. Returns the bytes of layers written."""
+    with tarfile.open(archive) as src:
+        entry = json.load(src.extractfile("manifest.json"))[0]  # type: ignore[arg-type]
+        config = src.extractfile(entry["Config"]).read()  # type: ignore[union-attr]
+        layers = []
+        for name in entry["Layers"]:
+            # c/image names a docker-archive's layers by their digest (uncompressed: the diff ID)
+            member = src.getmember(name)
+            layers.append(("sha256:" + name.removesuffix(".tar"), member))
+        manifest = json.dumps({
+            "schemaVersion": 2, "mediaType": OCI_MANIFEST,
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                       "digest": "sha256:" + hashlib.sha256(config).hexdigest(), "size": len(config)},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": m.size}
+                       for d, m in layers],
+        }, separators=(",", ":")).encode()
+        index = json.dumps({"schemaVersion": 2, "manifests": [{
+            "mediaType": OCI_MANIFEST, "digest": "sha256:" + hashlib.sha256(manifest).hexdigest(),
+            "size": len(manifest),
+            "annotations": {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref}}]},
+            separators=(",", ":")).encode()
+        sent = 0
+        with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as dst:
+            def add(name: str, size: int, data) -> None:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = size, 0o644, 0
+                dst.addfile(info, data)
+
+            add("oci-layout", 30, io.BytesIO(b'{"imageLayoutVersion":"1.0.0"}'))
+            add("index.json", len(index), io.BytesIO(index))
+            for blob in (manifest, config):
+                add(f"blobs/sha256/{hashlib.sha256(blob).hexdigest()}", len(blob), io.BytesIO(blob))
+            for digest, member in layers:
+                if digest in have:
+                    continue
+                add(f"blobs/sha256/{digest.removeprefix('sha256:')}", member.size, src.extractfile(member))
+                sent += member.size
+    return sent
+
+
+def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None) -> int:
+    """ctr images import of img, sending only the layers this containerd lacks (an edited
+    source changes the trainer's last, small layer, not its GBs of requirements). Returns
+    the bytes of layers sent."""
+    have = set(_ctr(address, namespace, "content", "ls", "-q").split())
+    extra = ["--snapshotter", snapshotter] if snapshotter else []
+    cmd = [need("ctr"), "--address", address, "-n", namespace, "images", "import", *extra, "-"]
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+        assert proc.stdin is not None
+        try:
+            sent = _oci_layout(img.archive, img.ref, have, proc.stdin)
+        except BrokenPipeError:  # ctr quit early; its stderr says why
+            sent = -1
+        finally:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+            rc = proc.wait()
+        err.seek(0)
+        if rc != 0 or sent < 0:
+            why = err.read().decode(errors="replace")[-4000:]
+            raise ImagesError(f"{' '.join(cmd)} < {img.archive} failed (exit {rc}): {why}")
+    return sent
+
+
+def load(address: str, namespace: str = "k8s.io", names: Iterable[str] = NODE_IMAGES, *,
+         refs: Mapping[str, str] | None = None, snapshotter: str | None = None) -> dict[str, str]:
+    """Import the images (building what is missing or stale first) into the containerd that
+    listens on `address`, in `namespace` (the CRI's is k8s.io), unpacked for its default
+    snapshotter (or `snapshotter`). An image it already holds, unpacked, under the same ref
+    with the same config digest is skipped. Returns name -> "imported" or "present"."""
+    need("ctr")
+    built = build(names, refs=refs)
+    started = time.monotonic()
+    ready = _ready_images(address, namespace, snapshotter)
+    result = {}
+    for name, img in built.items():
+        digest = ready.get(img.ref)
+        if digest and _config_digest(address, namespace, digest) == img.image_id:
+            result[name] = "present"
+            continue
+        t0 = time.monotonic()
+        sent = _import(address, namespace, img, snapshotter)
+        now = _ready_images(address, namespace, snapshotter)
+        if img.ref not in now or _config_digest(address, namespace, now[img.ref]) != img.image_id:
+            raise ImagesError(f"{address}: {img.ref} is not there, unpacked with ID {img.image_id}, "
+                              f"after importing {img.archive}")
+        log(f"{name}: imported {img.ref} into {address} ({namespace}) in {time.monotonic() - t0:.1f} s "
+             f"({human(sent)} of layers sent, of {human(img.size)})")
+        result[name] = "imported"
+    present = [n for n, s in result.items() if s == "present"]
+    if present:
+        log(f"already in {address} ({namespace}): {', '.join(present)}")
+    log(f"load into {address} took {time.monotonic() - started:.1f} s")
+    return result
