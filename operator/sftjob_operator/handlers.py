@@ -21,7 +21,7 @@ import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import api, builders, metrics, progress, reconcile, rejections
+from . import api, builders, metrics, progress, reconcile, rejections, status
 from .kube import Conflict, Kube
 from .settings import Settings
 
@@ -184,8 +184,7 @@ async def _scheduler(rt: Runtime) -> None:
             try:
                 for job in await rt.kube.list_jobs(rt.namespaces):
                     meta = job["metadata"]
-                    phase = (job.get("status") or {}).get("phase")
-                    rt.phases.set((meta["namespace"], meta["name"]), phase)
+                    rt.phases.set((meta["namespace"], meta["name"]), status.parse(job.get("status")).phase)
                     rt.enqueue((meta["namespace"], meta["name"]))
             except Exception as err:  # noqa: BLE001
                 log.warning("resync failed: %s", err)
@@ -193,7 +192,7 @@ async def _scheduler(rt: Runtime) -> None:
 
 
 def _rank0(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
-    attempt = str((body.get("status") or {}).get("attempt", 0))
+    attempt = str(status.parse(body.get("status")).attempt)
     for p in pods:
         lab = p["metadata"].get("labels", {})
         if lab.get(builders.LABEL_RANK) == "0" and lab.get(builders.LABEL_ATTEMPT) == attempt:
@@ -269,12 +268,14 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: reconcile.Pl
     """Carry out one plan: status first, then deletions, creations, events. Returns the
     API server's refusal of a pod, when there was one (nothing after the launch is done)."""
     namespace, name = key
-    if plan.status is not None:
-        before = body.get("status") or {}
-        body = await rt.kube.patch_status(body, plan.status)  # state first, then act on it
-        if (before.get("phase"), before.get("attempt")) != (plan.status.get("phase"), plan.status.get("attempt")):
-            log.info("%s/%s: phase %s, attempt %s, restarts %s", namespace, name, plan.status.get("phase"),
-                     plan.status.get("attempt"), plan.status.get("restarts"))
+    new = plan.new_status
+    if new is not None:
+        before = status.parse(body.get("status"))
+        # State first, then act on it.
+        body = await rt.kube.patch_status(body, status.merge_patch(body.get("status"), new))
+        if (before.phase, before.attempt) != (new.phase, new.attempt):
+            log.info("%s/%s: phase %s, attempt %s, restarts %s", namespace, name, new.phase, new.attempt,
+                     status.dump(new)["restarts"])
     if plan.delete_pods:
         log.info("%s/%s: deleting pods %s", namespace, name, plan.delete_pods)
     await asyncio.gather(*(rt.kube.delete_pod(namespace, p) for p in plan.delete_pods))
@@ -314,7 +315,7 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: reconcile.Pl
             log.info("event %s for %s/%s not posted: %s", ev.reason, namespace, name, err.reason)
     if plan.restart_cause:
         metrics.RESTARTS.labels(cause=plan.restart_cause).inc()
-    phase = (plan.status or body.get("status") or {}).get("phase")
+    phase = (new or status.parse(body.get("status"))).phase
     rt.phases.set(key, phase)
     if phase in reconcile.TERMINAL and rt.scraper:
         rt.scraper.forget(key)
