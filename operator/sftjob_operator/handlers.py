@@ -23,6 +23,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import api, builders, metrics, progress, reconcile, rejections, status
 from .kube import Conflict, Kube
+from .plan import Plan
 from .settings import Settings
 
 log = logging.getLogger("sftjob_operator")
@@ -83,7 +84,9 @@ def _rt(memo: Any) -> Runtime:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    ours: Settings = memo.get("settings") or Settings()   # from cli.main, through kopf.run(memo=...)
+    ours = memo.get("settings")   # built by cli.main, handed over through kopf.run(memo=...)
+    if not isinstance(ours, Settings):
+        raise kopf.PermanentError("no operator settings: start the operator with `sftjob-operator` (cli.main)")
     # Watches that silently stop are kopf's classic failure (kopf#585): bound both sides.
     settings.watching.server_timeout = ours.watch_server_timeout
     settings.watching.client_timeout = ours.watch_server_timeout + 30
@@ -242,7 +245,7 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str, from_handler: bo
         raise kopf.PermanentError(plan.invalid)
 
 
-async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
+async def _pass(rt: Runtime, key: Key) -> Plan | None:
     namespace, name = key
     body = await rt.kube.get_job(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -264,7 +267,7 @@ async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
     return plan
 
 
-async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: reconcile.Plan) -> rejections.Rejection | None:
+async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan) -> rejections.Rejection | None:
     """Carry out one plan: status first, then deletions, creations, events. Returns the
     API server's refusal of a pod, when there was one (nothing after the launch is done)."""
     namespace, name = key

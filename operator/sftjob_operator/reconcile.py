@@ -14,21 +14,25 @@ the gang as launched instead of launching it again forever.
 Nothing waits without saying why: pods that cannot start put their reason (a missing
 Secret, Unschedulable, ...) in the job's conditions; pods the API server refuses to create
 fail the job naming the spec field (`rejections.py`); an old gang stuck terminating on a
-lost node is force-deleted; a gang whose step stops advancing is restarted by the
-progress watchdog.
+lost node is force-deleted (`stale.py`); a gang whose step stops advancing is restarted by
+the progress watchdog.
+
+This module sequences the stages; each policy is a pure module that states it and is
+table-tested: failure_policy, success, suspend, deadlines (active, startup, progress), ttl,
+stale, queueing (Kueue). The status is status.py's model, parsed once per pass.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from . import builders, deadlines, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
-from . import queueing, success, suspend, ttl
+from . import queueing, stale, success, suspend, ttl
+from .plan import Event, Plan
 from .rejections import Rejection, explain_waiting
-from .status import SFTJobStatus, dump, fields_patch, iso, parse, parse_time
+from .status import dump, fields_patch, iso, parse, parse_time
 
 TERMINAL = ("Succeeded", "Failed")
 # A running job is looked at again at least this often; its progress arrives sooner, as the
@@ -36,36 +40,7 @@ TERMINAL = ("Succeeded", "Failed")
 PROGRESS_INTERVAL_S = 15.0
 STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
 STALE_POLL_S = 2.0           # while old pods finish terminating
-FORCE_DELETE_AFTER_S = 30.0  # past its grace period, a pod on a NotReady node is force-deleted
 QUOTA_RETRY_S = 10.0         # how often a gang waiting for namespace quota is tried again
-
-
-@dataclass
-class Event:
-    type: str   # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Plan:
-    """What one reconcile pass decided. The handler applies it in field order."""
-
-    new_status: SFTJobStatus | None = None        # the whole new status, None when unchanged
-    launch: list[dict[str, Any]] = field(default_factory=list)   # pods to create
-    launched_status: dict[str, Any] | None = None  # merged into status once `launch` all exist
-    delete_pods: list[str] = field(default_factory=list)
-    force_delete_pods: list[str] = field(default_factory=list)   # grace period 0: their node is lost
-    delete_job: bool = False
-    events: list[Event] = field(default_factory=list)
-    requeue_after: float | None = None
-    restart_cause: str | None = None   # "preemption" | "failure", for metrics
-    invalid: str | None = None         # set when the spec cannot run: the handler raises PermanentError
-
-    @property
-    def status(self) -> dict[str, Any] | None:
-        """The new status in its wire form (camelCase), None when unchanged."""
-        return dump(self.new_status) if self.new_status is not None else None
 
 
 def _pod_attempt(pod: dict[str, Any]) -> int:
@@ -194,7 +169,7 @@ class _Pass:
     def active(self) -> None:
         attempt = self.st.attempt
         current = {_pod_rank(p): p for p in self.pods if _pod_attempt(p) == attempt}
-        stale = [p for p in self.pods if _pod_attempt(p) != attempt]
+        old_gang = [p for p in self.pods if _pod_attempt(p) != attempt]
         rp = self.spec.run_policy
         left = deadlines.active_left(parse_time(self.st.start_time), rp.active_deadline_seconds, self.now)
         if left is not None:
@@ -202,9 +177,9 @@ class _Pass:
                 self.fail(c.REASON_DEADLINE, f"runPolicy.activeDeadlineSeconds ({rp.active_deadline_seconds}) exceeded")
                 return
             self.requeue(left)
-        if stale:
+        if old_gang:
             # An earlier gang still exists (or is still checkpointing): let it go first.
-            self.wait_for_stale(stale)
+            self.wait_for_stale(old_gang)
             return
         restart_after = parse_time(self.st.restart_after)
         if restart_after and self.now < restart_after:
@@ -223,30 +198,16 @@ class _Pass:
             self.st.launch_time = max([t for t in created if t] or [iso(self.now)])
         self.judge(attempt, current)
 
-    def wait_for_stale(self, stale: list[dict[str, Any]]) -> None:
-        """Stop an earlier gang and wait for it; a pod whose node is lost cannot finish
-        terminating by itself (no kubelet confirms it), so it is force-deleted once its
-        grace period is long over."""
-        self.stop(stale, finished_too=True)
+    def wait_for_stale(self, old_gang: list[dict[str, Any]]) -> None:
+        """Stop an earlier gang and wait for it (stale.py: when a lingering pod is force-deleted)."""
+        self.stop(old_gang, finished_too=True)
         self.requeue(STALE_POLL_S)
-        for pod in stale:
-            meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName", "")
-            deadline = parse_time(meta.get("deletionTimestamp"))
-            if deadline is None or self.now < deadline:
-                continue
-            where = f"node {node}" if node else "no node"
-            if self.node_ready.get(node) is False and \
-                    (self.now - deadline).total_seconds() >= FORCE_DELETE_AFTER_S:
-                if meta["name"] not in self.plan.force_delete_pods:
-                    self.plan.force_delete_pods.append(meta["name"])
-                    self.event("Warning", c.REASON_FORCE_DELETED,
-                               f"pod {meta['name']} was still terminating on {where}, which is not ready, "
-                               f"{(self.now - deadline).total_seconds():.0f}s after its grace period; "
-                               "force-deleted so that the gang can restart")
-            elif self.st.phase in ("Pending", "Restarting"):
-                message = (f"waiting for pod {meta['name']} of an earlier attempt to terminate on {where} "
-                           f"(its grace period ended at {meta['deletionTimestamp']})")
-                self.set_phase(self.st.phase, c.REASON_TERMINATING, message)
+        for pod in stale.lingering(old_gang, self.node_ready, self.now):
+            if pod.force_delete and pod.pod not in self.plan.force_delete_pods:
+                self.plan.force_delete_pods.append(pod.pod)
+                self.event("Warning", c.REASON_FORCE_DELETED, pod.message)
+            elif not pod.force_delete and self.st.phase in ("Pending", "Restarting"):
+                self.set_phase(self.st.phase, c.REASON_TERMINATING, pod.message)
 
     def launch(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
@@ -297,23 +258,11 @@ class _Pass:
     def track_admission(self, current: dict[int, dict[str, Any]]) -> bool:
         """For a gang in a Kueue pod group: record whether it is admitted. True while any
         pod of the gang is still gated (queued)."""
-        pods = list(current.values())
-        group = next((queueing.group_of(p) for p in pods if queueing.group_of(p)), None)
-        if group is None:
+        admission = queueing.admission(list(current.values()))
+        if admission is None:
             return False
-        queue = next((p["metadata"]["labels"].get(queueing.QUEUE_LABEL) for p in pods), None)
-        gates = sorted({g for p in pods for g in queueing.kueue_gates(p)})
-        if any(queueing.is_queued(p) for p in pods):
-            self.set_admitted(False, queueing.REASON_WAITING, queueing.queued_message(queue, group, gates))
-            return True
-        if not any(queueing.managed(p) for p in pods):
-            self.set_admitted(True, queueing.REASON_NOT_MANAGED,
-                              f"pod group {group} was never gated by Kueue, so it runs outside any quota: is Kueue's "
-                              "pod integration enabled for this namespace (managedJobsNamespaceSelector)?")
-            return False
-        self.set_admitted(True, queueing.REASON_ADMITTED,
-                          f"Kueue admitted pod group {group} (LocalQueue {queue}); its pods are ungated")
-        return False
+        self.set_admitted(admission.admitted, admission.reason, admission.message)
+        return admission.queued
 
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
