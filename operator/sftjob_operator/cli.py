@@ -70,7 +70,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError("choose a scope: --namespace NS (repeatable) or --all-namespaces")
     identity = args.leader_election_id or leader.default_identity()
     election = None
-    if args.leader_elect if args.leader_elect is not None else leader.in_cluster():
+    elect = leader.in_cluster() if args.leader_elect is None else args.leader_elect   # default: on in a pod
+    if elect:
         ns = args.leader_election_namespace or leader.default_namespace()
         if not ns:
             raise ValueError("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")

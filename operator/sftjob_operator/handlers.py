@@ -278,7 +278,7 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan) -> rej
         body = await rt.kube.patch_status(body, status.merge_patch(body.get("status"), new))
         if (before.phase, before.attempt) != (new.phase, new.attempt):
             log.info("%s/%s: phase %s, attempt %s, restarts %s", namespace, name, new.phase, new.attempt,
-                     status.dump(new)["restarts"])
+                     new.restarts)
     if plan.delete_pods:
         log.info("%s/%s: deleting pods %s", namespace, name, plan.delete_pods)
     await asyncio.gather(*(rt.kube.delete_pod(namespace, p) for p in plan.delete_pods))

@@ -154,7 +154,7 @@ class _Pass:
     def suspend(self, todo: suspend.Step) -> None:
         if todo is suspend.Step.SUSPEND:
             self.st.attempt += 1
-            self.st.start_time = None
+            self.st.start_time = None   # the active deadline starts again on resume (suspend.py)
             self.st.restart_after = None
             self.set_phase("Suspended", c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
             self.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
@@ -171,6 +171,7 @@ class _Pass:
         current = {_pod_rank(p): p for p in self.pods if _pod_attempt(p) == attempt}
         old_gang = [p for p in self.pods if _pod_attempt(p) != attempt]
         rp = self.spec.run_policy
+        # Checked before anything else waits: a gang stuck terminating ends at the deadline too.
         left = deadlines.active_left(parse_time(self.st.start_time), rp.active_deadline_seconds, self.now)
         if left is not None:
             if left <= 0:
@@ -368,14 +369,8 @@ class _Pass:
 
     def restart(self, cause: str, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
                 reason: str | None = None) -> None:
-        restarts = self.st.restarts
-        so_far = restarts.total
-        if cause == "failure":
-            restarts.failures += 1
-        else:
-            restarts.preemptions += 1
-        restarts.total = restarts.failures + restarts.preemptions
-        delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, so_far)
+        delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, self.st.restarts.total)
+        self.st.restarts.count(cause)
         self.st.attempt += 1
         self.st.restart_after = iso(self.now + timedelta(seconds=delay))
         reason = reason or (c.REASON_RESTART_FAILURE if cause == "failure" else c.REASON_RESTART_PREEMPTION)

@@ -7,7 +7,7 @@ writes it back as one JSON merge patch (`merge_patch`), camelCase as on the wire
 
 Unknown fields are refused on both sides: the models forbid extra keys (a misspelled field
 is a ValidationError in the operator, never a key stored silently), and the CRD's status
-schema no longer preserves unknown fields, so the API server prunes what it does not know.
+schema does not preserve unknown fields, so the API server prunes what it does not know.
 Times are strings in the one format the status has always used (`iso`, `parse_time`).
 """
 from __future__ import annotations
@@ -56,6 +56,14 @@ class RestartCounts(StatusModel):
                           "hung); spends runPolicy.backoffLimit.")
     preemptions: int = Field(default=0, description="Restarts after a pod was preempted, evicted, deleted or lost its node.")
     total: int = Field(default=0, description="failures + preemptions.")
+
+    def count(self, cause: Literal["failure", "preemption"]) -> None:
+        """Count one gang restart by its cause."""
+        if cause == "failure":
+            self.failures += 1
+        else:
+            self.preemptions += 1
+        self.total = self.failures + self.preemptions
 
 
 class Progress(StatusModel):

@@ -80,3 +80,10 @@ def test_fields_patch_sets_only_the_named_fields_and_checks_them():
 def test_times_round_trip_in_the_status_format():
     t = status.parse_time("2026-01-01T12:00:05Z")
     assert status.iso(t) == "2026-01-01T12:00:05Z" and status.parse_time(None) is None
+
+
+def test_restart_counts_keep_their_total():
+    counts = status.RestartCounts()
+    for cause in ("failure", "preemption", "preemption"):
+        counts.count(cause)
+    assert (counts.failures, counts.preemptions, counts.total) == (1, 2, 3)
