@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from sftjob_trainer.config import SFTConfig
 
 from . import api
+from .resources import EnvVar
 
 LABEL_JOB = "sftjob.io/job-name"
 LABEL_RANK = "sftjob.io/rank"
@@ -236,7 +237,7 @@ def _env(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int, master_port
     return env
 
 
-def _user_env(var: api.EnvVar) -> dict[str, Any]:
+def _user_env(var: EnvVar) -> dict[str, Any]:
     if var.value_from is None:
         return {"name": var.name, "value": var.value or ""}
     return {"name": var.name, "valueFrom": var.value_from.model_dump(by_alias=True, exclude_none=True)}

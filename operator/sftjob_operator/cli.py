@@ -21,6 +21,8 @@ import logging
 import signal
 import sys
 
+from .settings import Settings
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sftjob-operator", description=__doc__.split("\n\n")[0])
@@ -59,6 +61,30 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The operator's settings from parsed arguments; ValueError for a combination that
+    cannot run (no scope, leader election without a namespace or with unsafe timings)."""
+    from . import leader
+
+    if not args.namespace and not args.all_namespaces:
+        raise ValueError("choose a scope: --namespace NS (repeatable) or --all-namespaces")
+    identity = args.leader_election_id or leader.default_identity()
+    election = None
+    elect = leader.in_cluster() if args.leader_elect is None else args.leader_elect   # default: on in a pod
+    if elect:
+        ns = args.leader_election_namespace or leader.default_namespace()
+        if not ns:
+            raise ValueError("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")
+        election = leader.Config(namespace=ns, name=args.leader_election_name, identity=identity,
+                                 lease_duration=args.leader_election_lease_duration,
+                                 renew_deadline=args.leader_election_renew_deadline,
+                                 retry_period=args.leader_election_retry_period)
+    return Settings(namespaces=tuple(args.namespace) or None, watch_server_timeout=args.watch_timeout,
+                    peering_name=args.peering, identity=identity, metrics_port=args.metrics_port,
+                    liveness_port=args.liveness_port, leader_election=election, log_format=args.log_format,
+                    verbose=args.verbose)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.print_crd:
@@ -66,60 +92,39 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stdout.write(crd.render())
         return 0
-    if not args.namespace and not args.all_namespaces:
-        _parser().error("choose a scope: --namespace NS (repeatable) or --all-namespaces")
-
-    from . import leader
-
-    leader_elect = args.leader_elect
-    if leader_elect is None:
-        leader_elect = leader.in_cluster()
-    elector_cfg = None
-    if leader_elect:
-
-        ns = args.leader_election_namespace or leader.default_namespace()
-        if not ns:
-            _parser().error("--leader-elect needs --leader-election-namespace (or $POD_NAMESPACE)")
-        try:
-            elector_cfg = leader.Config(namespace=ns, name=args.leader_election_name,
-                                        identity=args.leader_election_id or "",
-                                        lease_duration=args.leader_election_lease_duration,
-                                        renew_deadline=args.leader_election_renew_deadline,
-                                        retry_period=args.leader_election_retry_period)
-        except ValueError as err:
-            _parser().error(str(err))
+    try:
+        settings = settings_from_args(args)
+    except ValueError as err:
+        _parser().error(str(err))
 
     # Imported before the election, so that a standby that takes over starts at once.
     import kopf
 
     from . import handlers, metrics  # noqa: F401 - importing registers the kopf handlers
-    from .settings import Settings
 
-    settings = Settings(namespaces=tuple(args.namespace) or None, watch_server_timeout=args.watch_timeout,
-                        peering_name=args.peering)
-    kopf.configure(verbose=args.verbose,
-                   log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN)
+    kopf.configure(verbose=settings.verbose,
+                   log_format=kopf.LogFormat.JSON if settings.log_format == "json" else kopf.LogFormat.PLAIN)
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
-    if not args.verbose:
+    if not settings.verbose:
         # kopf logs every pod event it handles ("Handler ... succeeded"); the operator's own
         # log lines (sftjob_operator) say what was decided and done.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     logging.getLogger("sftjob_operator").setLevel(logging.INFO)
-    metrics.serve(args.metrics_port)
-    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    metrics.serve(settings.metrics_port)
+    liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz" if settings.liveness_port else None
     electors: list = []   # filled by _elect as soon as the elector exists
     try:
-        if elector_cfg:
-            _elect(elector_cfg, args.liveness_port, electors)
+        if settings.leader_election:
+            _elect(settings.leader_election, settings.liveness_port, electors)
         kopf.run(
-            clusterwide=args.all_namespaces,
-            namespaces=args.namespace,
+            clusterwide=settings.namespaces is None,
+            namespaces=list(settings.namespaces or ()),
             liveness_endpoint=liveness,
-            standalone=args.peering is None,
-            peering_name=args.peering,
+            standalone=settings.peering_name is None,
+            peering_name=settings.peering_name,
             # kopf's default identity comes from getpass.getuser(), which fails for a uid with
             # no /etc/passwd entry (the image's 65532, any runAsUser a cluster assigns)
-            identity=args.leader_election_id or leader.default_identity(),
+            identity=settings.identity,
             memo=kopf.Memo(settings=settings),
         )
     finally:

@@ -8,7 +8,7 @@ Stalled once the job has failed.
 """
 from __future__ import annotations
 
-from typing import Any
+from .status import Condition
 
 # Types.
 READY = "Ready"
@@ -53,28 +53,24 @@ REASON_FORCE_DELETED = "ForceDeletedPod"
 MAX_MESSAGE = 2000
 
 
-def set_condition(conds: list[dict[str, Any]], ctype: str, status: bool | str, reason: str,
-                  message: str, now: str, generation: int | None = None) -> list[dict[str, Any]]:
+def set_condition(conds: list[Condition], ctype: str, status: bool | str, reason: str,
+                  message: str, now: str, generation: int | None = None) -> list[Condition]:
     """Return `conds` with condition `ctype` set; lastTransitionTime kept unless status flips."""
     value = status if isinstance(status, str) else ("True" if status else "False")
-    out = [dict(x) for x in conds if x.get("type") != ctype]
-    old = next((x for x in conds if x.get("type") == ctype), None)
-    since = old["lastTransitionTime"] if old and old.get("status") == value else now
-    new = {"type": ctype, "status": value, "reason": reason, "message": message[:MAX_MESSAGE],
-           "lastTransitionTime": since}
-    if generation is not None:
-        new["observedGeneration"] = generation
-    out.append(new)
+    old = get_condition(conds, ctype)
+    since = old.last_transition_time if old and old.status == value else now
+    new = Condition(type=ctype, status=value, reason=reason, message=message[:MAX_MESSAGE],
+                    last_transition_time=since, observed_generation=generation)
     order = {t: i for i, t in enumerate(ALL_TYPES)}
-    return sorted(out, key=lambda x: order.get(x["type"], len(order)))
+    return sorted([x for x in conds if x.type != ctype] + [new], key=lambda x: order.get(x.type, len(order)))
 
 
-def get_condition(conds: list[dict[str, Any]], ctype: str) -> dict[str, Any] | None:
-    return next((x for x in conds if x.get("type") == ctype), None)
+def get_condition(conds: list[Condition], ctype: str) -> Condition | None:
+    return next((x for x in conds if x.type == ctype), None)
 
 
-def for_phase(conds: list[dict[str, Any]], phase: str, reason: str, message: str, now: str,
-              generation: int | None) -> list[dict[str, Any]]:
+def for_phase(conds: list[Condition], phase: str, reason: str, message: str, now: str,
+              generation: int | None) -> list[Condition]:
     """All condition types derived from one phase (each pass writes the full set)."""
     active = {
         RUNNING: phase == "Running",

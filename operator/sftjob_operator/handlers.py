@@ -21,8 +21,9 @@ import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import api, builders, metrics, progress, reconcile, rejections
+from . import api, builders, metrics, progress, reconcile, rejections, status
 from .kube import Conflict, Kube
+from .plan import Plan
 from .settings import Settings
 
 log = logging.getLogger("sftjob_operator")
@@ -83,7 +84,9 @@ def _rt(memo: Any) -> Runtime:
 
 @kopf.on.startup()
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    ours: Settings = memo.get("settings") or Settings()   # from cli.main, through kopf.run(memo=...)
+    ours = memo.get("settings")   # built by cli.main, handed over through kopf.run(memo=...)
+    if not isinstance(ours, Settings):
+        raise kopf.PermanentError("no operator settings: start the operator with `sftjob-operator` (cli.main)")
     # Watches that silently stop are kopf's classic failure (kopf#585): bound both sides.
     settings.watching.server_timeout = ours.watch_server_timeout
     settings.watching.client_timeout = ours.watch_server_timeout + 30
@@ -184,8 +187,7 @@ async def _scheduler(rt: Runtime) -> None:
             try:
                 for job in await rt.kube.list_jobs(rt.namespaces):
                     meta = job["metadata"]
-                    phase = (job.get("status") or {}).get("phase")
-                    rt.phases.set((meta["namespace"], meta["name"]), phase)
+                    rt.phases.set((meta["namespace"], meta["name"]), status.parse(job.get("status")).phase)
                     rt.enqueue((meta["namespace"], meta["name"]))
             except Exception as err:  # noqa: BLE001
                 log.warning("resync failed: %s", err)
@@ -193,7 +195,7 @@ async def _scheduler(rt: Runtime) -> None:
 
 
 def _rank0(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
-    attempt = str((body.get("status") or {}).get("attempt", 0))
+    attempt = str(status.parse(body.get("status")).attempt)
     for p in pods:
         lab = p["metadata"].get("labels", {})
         if lab.get(builders.LABEL_RANK) == "0" and lab.get(builders.LABEL_ATTEMPT) == attempt:
@@ -243,7 +245,7 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str, from_handler: bo
         raise kopf.PermanentError(plan.invalid)
 
 
-async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
+async def _pass(rt: Runtime, key: Key) -> Plan | None:
     namespace, name = key
     body = await rt.kube.get_job(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -265,16 +267,18 @@ async def _pass(rt: Runtime, key: Key) -> reconcile.Plan | None:
     return plan
 
 
-async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: reconcile.Plan) -> rejections.Rejection | None:
+async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan) -> rejections.Rejection | None:
     """Carry out one plan: status first, then deletions, creations, events. Returns the
     API server's refusal of a pod, when there was one (nothing after the launch is done)."""
     namespace, name = key
-    if plan.status is not None:
-        before = body.get("status") or {}
-        body = await rt.kube.patch_status(body, plan.status)  # state first, then act on it
-        if (before.get("phase"), before.get("attempt")) != (plan.status.get("phase"), plan.status.get("attempt")):
-            log.info("%s/%s: phase %s, attempt %s, restarts %s", namespace, name, plan.status.get("phase"),
-                     plan.status.get("attempt"), plan.status.get("restarts"))
+    new = plan.new_status
+    if new is not None:
+        before = status.parse(body.get("status"))
+        # State first, then act on it.
+        body = await rt.kube.patch_status(body, status.merge_patch(body.get("status"), new))
+        if (before.phase, before.attempt) != (new.phase, new.attempt):
+            log.info("%s/%s: phase %s, attempt %s, restarts %s", namespace, name, new.phase, new.attempt,
+                     new.restarts)
     if plan.delete_pods:
         log.info("%s/%s: deleting pods %s", namespace, name, plan.delete_pods)
     await asyncio.gather(*(rt.kube.delete_pod(namespace, p) for p in plan.delete_pods))
@@ -314,7 +318,7 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: reconcile.Pl
             log.info("event %s for %s/%s not posted: %s", ev.reason, namespace, name, err.reason)
     if plan.restart_cause:
         metrics.RESTARTS.labels(cause=plan.restart_cause).inc()
-    phase = (plan.status or body.get("status") or {}).get("phase")
+    phase = (new or status.parse(body.get("status"))).phase
     rt.phases.set(key, phase)
     if phase in reconcile.TERMINAL and rt.scraper:
         rt.scraper.forget(key)

@@ -76,11 +76,9 @@ class Kube:
         return items
 
     async def patch_status(self, body: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
-        """Replace the fields of status we own, guarded by the resourceVersion we read."""
+        """Merge-patch the status (status.merge_patch), guarded by the resourceVersion we read."""
         meta = body["metadata"]
-        old = body.get("status") or {}
-        patch_status = {**{k: None for k in old if k not in status and k != "kopf"}, **status}
-        patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": patch_status}
+        patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": status}
         try:
             return await _run(
                 self.custom.patch_namespaced_custom_object_status,

@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from .status import Progress
 
 log = logging.getLogger(__name__)
 
@@ -49,33 +51,31 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def summary(progress: dict[str, Any]) -> str | None:
-    step, total = progress.get("step"), progress.get("totalSteps")
+def summary(step: int | None, total: int | None) -> str | None:
+    """step/totalSteps, as `kubectl get` shows it."""
     if step is None:
         return None
     return f"{step}/{total}" if total else str(step)
 
 
-def merge(progress: dict[str, Any], metrics: dict[str, float], now: str) -> dict[str, Any]:
-    """New status.progress; `updatedTime` moves only when a value changed, so an idle
-    scrape does not rewrite the status."""
+def merge(progress: Progress, metrics: dict[str, float], now: str) -> Progress:
+    """New status.progress from a reading (keyed by status.progress names); `updatedTime`
+    moves only when a value changed, so an idle scrape does not rewrite the status."""
     if not metrics.get("totalSteps"):
         # The trainer serves its endpoint before it has loaded the data and any checkpoint;
         # its gauges read 0 until then and would wipe the last known progress.
         return progress
-    new = {**progress, **metrics}
-    if metrics.get("step") is not None and metrics.get("step") != progress.get("step"):
-        new["lastStepTime"] = now  # what the hang watchdog (runPolicy.progressDeadlineSeconds) reads
-    if "loss" in new and new["loss"] is not None:
-        new["loss"] = round(float(new["loss"]), 4)
-    if "tokensPerSecond" in new and new["tokensPerSecond"] is not None:
-        new["tokensPerSecond"] = round(float(new["tokensPerSecond"]), 1)
-    new["summary"] = summary(new)
-    new = {k: v for k, v in new.items() if v is not None}
-    before = {k: v for k, v in progress.items() if k not in ("updatedTime", "lastStepTime")}
-    after = {k: v for k, v in new.items() if k not in ("updatedTime", "lastStepTime")}
-    if before != after:
-        new["updatedTime"] = now
+    new = Progress.model_validate({**progress.model_dump(by_alias=True, exclude_none=True), **metrics})
+    if new.step != progress.step:
+        new.last_step_time = now  # what the hang watchdog (runPolicy.progressDeadlineSeconds) reads
+    if new.loss is not None:
+        new.loss = round(new.loss, 4)
+    if new.tokens_per_second is not None:
+        new.tokens_per_second = round(new.tokens_per_second, 1)
+    new.summary = summary(new.step, new.total_steps)
+    stamps = {"updated_time", "last_step_time"}
+    if new.model_dump(exclude=stamps) != progress.model_dump(exclude=stamps):
+        new.updated_time = now
     return new
 
 

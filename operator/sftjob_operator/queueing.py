@@ -26,6 +26,7 @@ or preempts the Workload.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -107,3 +108,30 @@ def queued_message(queue: str | None, group: str | None, gates: list[str]) -> st
     return (f"queued in {where}: the gang waits for Kueue to admit its Workload (pod group {group or '?'}) "
             f"against the ClusterQueue's quota; pods gated by {', '.join(gates) or ADMISSION_GATE}. "
             f"Kueue's reason: kubectl get workload {group or ''} -o jsonpath='{{.status.conditions}}'")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The SFTJob's `Admitted` condition for a gang in a Kueue pod group."""
+
+    admitted: bool
+    reason: str
+    message: str
+    queued: bool   # some pod of the gang is still gated
+
+
+def admission(pods: list[dict[str, Any]]) -> Admission | None:
+    """Whether Kueue has admitted the gang of `pods`; None when they form no pod group."""
+    group = next((group_of(p) for p in pods if group_of(p)), None)
+    if group is None:
+        return None
+    queue = next((p["metadata"]["labels"].get(QUEUE_LABEL) for p in pods), None)
+    if any(is_queued(p) for p in pods):
+        gates = sorted({g for p in pods for g in kueue_gates(p)})
+        return Admission(False, REASON_WAITING, queued_message(queue, group, gates), queued=True)
+    if not any(managed(p) for p in pods):
+        return Admission(True, REASON_NOT_MANAGED,
+                         f"pod group {group} was never gated by Kueue, so it runs outside any quota: is Kueue's "
+                         "pod integration enabled for this namespace (managedJobsNamespaceSelector)?", queued=False)
+    return Admission(True, REASON_ADMITTED, f"Kueue admitted pod group {group} (LocalQueue {queue}); its pods are ungated",
+                     queued=False)

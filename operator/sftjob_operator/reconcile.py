@@ -14,22 +14,25 @@ the gang as launched instead of launching it again forever.
 Nothing waits without saying why: pods that cannot start put their reason (a missing
 Secret, Unschedulable, ...) in the job's conditions; pods the API server refuses to create
 fail the job naming the spec field (`rejections.py`); an old gang stuck terminating on a
-lost node is force-deleted; a gang whose step stops advancing is restarted by the
-progress watchdog.
+lost node is force-deleted (`stale.py`); a gang whose step stops advancing is restarted by
+the progress watchdog.
+
+This module sequences the stages; each policy is a pure module that states it and is
+table-tested: failure_policy, success, suspend, deadlines (active, startup, progress), ttl,
+stale, queueing (Kueue). The status is status.py's model, parsed once per pass.
 """
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from . import api, builders, failure_policy as fp
+from . import builders, deadlines, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
-from . import queueing
-from . import ttl
+from . import queueing, stale, success, suspend, ttl
+from .plan import Event, Plan
 from .rejections import Rejection, explain_waiting
+from .status import dump, fields_patch, iso, parse, parse_time
 
 TERMINAL = ("Succeeded", "Failed")
 # A running job is looked at again at least this often; its progress arrives sooner, as the
@@ -37,45 +40,7 @@ TERMINAL = ("Succeeded", "Failed")
 PROGRESS_INTERVAL_S = 15.0
 STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
 STALE_POLL_S = 2.0           # while old pods finish terminating
-FORCE_DELETE_AFTER_S = 30.0  # past its grace period, a pod on a NotReady node is force-deleted
 QUOTA_RETRY_S = 10.0         # how often a gang waiting for namespace quota is tried again
-
-
-@dataclass
-class Event:
-    type: str   # Normal | Warning
-    reason: str
-    message: str
-
-
-@dataclass
-class Plan:
-    """What one reconcile pass decided. The handler applies it in field order."""
-
-    status: dict[str, Any] | None = None          # full new status, None when unchanged
-    launch: list[dict[str, Any]] = field(default_factory=list)   # pods to create
-    launched_status: dict[str, Any] | None = None  # merged into status once `launch` all exist
-    delete_pods: list[str] = field(default_factory=list)
-    force_delete_pods: list[str] = field(default_factory=list)   # grace period 0: their node is lost
-    delete_job: bool = False
-    events: list[Event] = field(default_factory=list)
-    requeue_after: float | None = None
-    restart_cause: str | None = None   # "preemption" | "failure", for metrics
-    invalid: str | None = None         # set when the spec cannot run: the handler raises PermanentError
-
-
-def iso(t: datetime) -> str:
-    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(s: str | None) -> datetime | None:
-    if not s:
-        return None
-    return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-
-
-def initial_status() -> dict[str, Any]:
-    return api.SFTJobStatus().model_dump(by_alias=True, exclude_none=True)
 
 
 def _pod_attempt(pod: dict[str, Any]) -> int:
@@ -99,10 +64,8 @@ class _Pass:
         self.meta = body["metadata"]
         self.job = builders.JobRef.from_body(body)
         self.generation = self.meta.get("generation")
-        self.old = body.get("status") or {}
-        st = initial_status()
-        st.update(copy.deepcopy({k: v for k, v in self.old.items() if k != "kopf"}))
-        self.st = st
+        self.st = parse(body.get("status"))   # the one read of the stored status; edited in place
+        self.old = self.st.model_copy(deep=True)
         self.pods = [p for p in pods if any(o.get("uid") == self.job.uid
                                             for o in p["metadata"].get("ownerReferences") or [])]
         self.now = now
@@ -114,10 +77,9 @@ class _Pass:
 
     # -- helpers ------------------------------------------------------------------------
     def set_phase(self, phase: str, reason: str, message: str) -> None:
-        self.st["phase"] = phase
-        self.st["message"] = message[: c.MAX_MESSAGE]
-        self.st["conditions"] = c.for_phase(self.st.get("conditions", []), phase, reason, message,
-                                            iso(self.now), self.generation)
+        self.st.phase = phase  # type: ignore[assignment]
+        self.st.message = message[: c.MAX_MESSAGE]
+        self.st.conditions = c.for_phase(self.st.conditions, phase, reason, message, iso(self.now), self.generation)
 
     def event(self, type_: str, reason: str, message: str) -> None:
         self.plan.events.append(Event(type_, reason, message))
@@ -125,8 +87,8 @@ class _Pass:
     def reason_changed_to(self, reason: str) -> bool:
         """Whether the job's Ready condition did not carry `reason` before this pass (an
         Event for a waiting reason is posted once, not on every pass)."""
-        ready = c.get_condition(self.old.get("conditions") or [], c.READY)
-        return not ready or ready.get("reason") != reason
+        ready = c.get_condition(self.old.conditions, c.READY)
+        return not ready or ready.reason != reason
 
     def requeue(self, seconds: float) -> None:
         seconds = max(0.5, seconds)
@@ -141,8 +103,8 @@ class _Pass:
 
     def fail(self, reason: str, message: str) -> None:
         self.set_phase("Failed", reason, message)
-        self.st["completionTime"] = iso(self.now)
-        self.st.pop("restartAfter", None)
+        self.st.completion_time = iso(self.now)
+        self.st.restart_after = None
         self.event("Warning", reason, message)
         self.cleanup_finished()
 
@@ -150,7 +112,7 @@ class _Pass:
         """Pods of a finished job: running ones always stop; finished ones per cleanPodPolicy."""
         policy = self.spec.run_policy.clean_pod_policy
         self.stop(self.pods, finished_too=(policy == "All"))
-        done = parse_time(self.st.get("completionTime")) or self.now
+        done = parse_time(self.st.completion_time) or self.now
         left = ttl.seconds_left(done, self.spec.run_policy.ttl_seconds_after_finished, self.now)
         if left is not None and left <= 0:
             self.plan.delete_job = True
@@ -163,41 +125,40 @@ class _Pass:
             self.spec = builders.parse_spec(self.body.get("spec") or {})
             builders.trainer_config(self.job, self.spec)
         except builders.InvalidSpec as err:
-            if self.st.get("phase") != "Failed":
+            if self.st.phase != "Failed":
                 self.spec = None
                 self.set_phase("Failed", c.REASON_INVALID_SPEC, str(err))
-                self.st["completionTime"] = iso(self.now)
+                self.st.completion_time = iso(self.now)
                 self.event("Warning", c.REASON_INVALID_SPEC, str(err))
             self.plan.invalid = str(err)
             return self.finish()
-        self.st["observedGeneration"] = self.generation
-        out = self.st.setdefault("output", {})
-        out["checkpointsUri"] = builders.output_dir(self.job, self.spec) + "/checkpoints"
+        self.st.observed_generation = self.generation
+        self.st.output.checkpoints_uri = builders.output_dir(self.job, self.spec) + "/checkpoints"
 
-        phase = self.st.get("phase")
-        if phase in TERMINAL:
+        if self.st.phase in TERMINAL:
             self.cleanup_finished()
             return self.finish()
-        if phase is None:
+        if self.st.phase is None:
             self.set_phase("Pending", c.REASON_CREATED, "waiting for the gang to be created")
-        if self.spec.suspend:
-            self.suspend()
+        todo = suspend.step(self.st.phase, self.spec.suspend)
+        if todo in (suspend.Step.SUSPEND, suspend.Step.SUSPENDED):
+            self.suspend(todo)
             return self.finish()
-        if self.st.get("phase") == "Suspended":
+        if todo is suspend.Step.RESUME:
             self.set_phase("Pending", c.REASON_RESUMED, "resuming from the newest checkpoint")
-            self.st.pop("restartAfter", None)
+            self.st.restart_after = None
             self.event("Normal", c.REASON_RESUMED, "resuming from the newest checkpoint")
         self.active()
         return self.finish()
 
-    def suspend(self) -> None:
-        if self.st.get("phase") != "Suspended":
-            self.st["attempt"] = self.st.get("attempt", 0) + 1
-            self.st.pop("startTime", None)  # as for a batch/v1 Job: the deadline restarts on resume
-            self.st.pop("restartAfter", None)
+    def suspend(self, todo: suspend.Step) -> None:
+        if todo is suspend.Step.SUSPEND:
+            self.st.attempt += 1
+            self.st.start_time = None   # the active deadline starts again on resume (suspend.py)
+            self.st.restart_after = None
             self.set_phase("Suspended", c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
             self.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
-            if c.get_condition(self.st["conditions"], queueing.ADMITTED):
+            if c.get_condition(self.st.conditions, queueing.ADMITTED):
                 self.set_admitted(False, c.REASON_SUSPENDED,
                                   "suspended: the pods are deleted, which finishes the pod group's Workload "
                                   "and releases its quota; resuming queues a new pod group")
@@ -206,27 +167,26 @@ class _Pass:
             self.requeue(STALE_POLL_S)
 
     def active(self) -> None:
-        attempt = self.st.get("attempt", 0)
+        attempt = self.st.attempt
         current = {_pod_rank(p): p for p in self.pods if _pod_attempt(p) == attempt}
-        stale = [p for p in self.pods if _pod_attempt(p) != attempt]
+        old_gang = [p for p in self.pods if _pod_attempt(p) != attempt]
         rp = self.spec.run_policy
-        started = parse_time(self.st.get("startTime"))
-        if started and rp.active_deadline_seconds:
-            # Checked before anything else waits: a gang stuck terminating ends at the deadline too.
-            left = (started + timedelta(seconds=rp.active_deadline_seconds) - self.now).total_seconds()
+        # Checked before anything else waits: a gang stuck terminating ends at the deadline too.
+        left = deadlines.active_left(parse_time(self.st.start_time), rp.active_deadline_seconds, self.now)
+        if left is not None:
             if left <= 0:
                 self.fail(c.REASON_DEADLINE, f"runPolicy.activeDeadlineSeconds ({rp.active_deadline_seconds}) exceeded")
                 return
             self.requeue(left)
-        if stale:
+        if old_gang:
             # An earlier gang still exists (or is still checkpointing): let it go first.
-            self.wait_for_stale(stale)
+            self.wait_for_stale(old_gang)
             return
-        restart_after = parse_time(self.st.get("restartAfter"))
+        restart_after = parse_time(self.st.restart_after)
         if restart_after and self.now < restart_after:
             self.requeue((restart_after - self.now).total_seconds())
             return
-        if self.st.get("launchedAttempt") != attempt:
+        if self.st.launched_attempt != attempt:
             if self.rejection is not None:
                 self.rejected(self.rejection, current)
                 return
@@ -234,35 +194,21 @@ class _Pass:
                 self.launch(attempt, current)
                 return
             # Every rank exists but the launch was never recorded: adopt the gang.
-            self.st["launchedAttempt"] = attempt
+            self.st.launched_attempt = attempt
             created = [p["metadata"].get("creationTimestamp") for p in current.values()]
-            self.st["launchTime"] = max([t for t in created if t] or [iso(self.now)])
+            self.st.launch_time = max([t for t in created if t] or [iso(self.now)])
         self.judge(attempt, current)
 
-    def wait_for_stale(self, stale: list[dict[str, Any]]) -> None:
-        """Stop an earlier gang and wait for it; a pod whose node is lost cannot finish
-        terminating by itself (no kubelet confirms it), so it is force-deleted once its
-        grace period is long over."""
-        self.stop(stale, finished_too=True)
+    def wait_for_stale(self, old_gang: list[dict[str, Any]]) -> None:
+        """Stop an earlier gang and wait for it (stale.py: when a lingering pod is force-deleted)."""
+        self.stop(old_gang, finished_too=True)
         self.requeue(STALE_POLL_S)
-        for pod in stale:
-            meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName", "")
-            deadline = parse_time(meta.get("deletionTimestamp"))
-            if deadline is None or self.now < deadline:
-                continue
-            where = f"node {node}" if node else "no node"
-            if self.node_ready.get(node) is False and \
-                    (self.now - deadline).total_seconds() >= FORCE_DELETE_AFTER_S:
-                if meta["name"] not in self.plan.force_delete_pods:
-                    self.plan.force_delete_pods.append(meta["name"])
-                    self.event("Warning", c.REASON_FORCE_DELETED,
-                               f"pod {meta['name']} was still terminating on {where}, which is not ready, "
-                               f"{(self.now - deadline).total_seconds():.0f}s after its grace period; "
-                               "force-deleted so that the gang can restart")
-            elif self.st.get("phase") in ("Pending", "Restarting"):
-                message = (f"waiting for pod {meta['name']} of an earlier attempt to terminate on {where} "
-                           f"(its grace period ended at {meta['deletionTimestamp']})")
-                self.set_phase(self.st["phase"], c.REASON_TERMINATING, message)
+        for pod in stale.lingering(old_gang, self.node_ready, self.now):
+            if pod.force_delete and pod.pod not in self.plan.force_delete_pods:
+                self.plan.force_delete_pods.append(pod.pod)
+                self.event("Warning", c.REASON_FORCE_DELETED, pod.message)
+            elif not pod.force_delete and self.st.phase in ("Pending", "Restarting"):
+                self.set_phase(self.st.phase, c.REASON_TERMINATING, pod.message)
 
     def launch(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
@@ -273,7 +219,7 @@ class _Pass:
             name = group[0][queueing.GROUP_LABEL]
             self.set_admitted(False, queueing.REASON_WAITING,
                               queueing.queued_message(queueing.queue_name(self.meta), name, []))
-        self.plan.launched_status = {"launchedAttempt": attempt, "launchTime": iso(self.now)}
+        self.plan.launched_status = fields_patch(launched_attempt=attempt, launch_time=iso(self.now))
         self.requeue(STARTING_POLL_S)
 
     def rejected(self, rej: Rejection, current: dict[int, dict[str, Any]]) -> None:
@@ -286,9 +232,9 @@ class _Pass:
         rp = self.spec.run_policy
         # Waiting since the job last stopped being Ready (created, or restarted): stable
         # across the retries below, unlike restartAfter.
-        ready = c.get_condition(self.st.get("conditions") or [], c.READY)
-        since = parse_time(ready.get("lastTransitionTime") if ready else None) or self.now
-        if (self.now - since).total_seconds() >= rp.startup_deadline_seconds:
+        ready = c.get_condition(self.st.conditions, c.READY)
+        since = parse_time(ready.last_transition_time if ready else None) or self.now
+        if deadlines.startup_left(since, rp.startup_deadline_seconds, self.now) <= 0:
             self.fail(c.REASON_STARTUP_DEADLINE,
                       f"pods could not be created for {rp.startup_deadline_seconds}s "
                       f"(runPolicy.startupDeadlineSeconds): {rej.message}")
@@ -300,36 +246,24 @@ class _Pass:
             # Part of the gang exists: it would hold quota while waiting for the rest (and its
             # rendezvous would time out). Retire it, uncounted, and try the whole gang again.
             self.stop(list(current.values()), finished_too=True)
-            self.st["attempt"] = self.st.get("attempt", 0) + 1
-        self.st["restartAfter"] = iso(self.now + timedelta(seconds=QUOTA_RETRY_S))
+            self.st.attempt += 1
+        self.st.restart_after = iso(self.now + timedelta(seconds=QUOTA_RETRY_S))
         self.requeue(QUOTA_RETRY_S)
 
     def set_admitted(self, admitted: bool, reason: str, message: str) -> None:
         """The `Admitted` condition of a job queued by Kueue; its lastTransitionTime to True
         is when the operator saw the gang's gates removed (the startup deadline starts then)."""
-        self.st["conditions"] = c.set_condition(self.st.get("conditions", []), queueing.ADMITTED, admitted,
-                                                reason, message, iso(self.now), self.generation)
+        self.st.conditions = c.set_condition(self.st.conditions, queueing.ADMITTED, admitted, reason, message,
+                                             iso(self.now), self.generation)
 
     def track_admission(self, current: dict[int, dict[str, Any]]) -> bool:
         """For a gang in a Kueue pod group: record whether it is admitted. True while any
         pod of the gang is still gated (queued)."""
-        pods = list(current.values())
-        group = next((queueing.group_of(p) for p in pods if queueing.group_of(p)), None)
-        if group is None:
+        admission = queueing.admission(list(current.values()))
+        if admission is None:
             return False
-        queue = next((p["metadata"]["labels"].get(queueing.QUEUE_LABEL) for p in pods), None)
-        gates = sorted({g for p in pods for g in queueing.kueue_gates(p)})
-        if any(queueing.is_queued(p) for p in pods):
-            self.set_admitted(False, queueing.REASON_WAITING, queueing.queued_message(queue, group, gates))
-            return True
-        if not any(queueing.managed(p) for p in pods):
-            self.set_admitted(True, queueing.REASON_NOT_MANAGED,
-                              f"pod group {group} was never gated by Kueue, so it runs outside any quota: is Kueue's "
-                              "pod integration enabled for this namespace (managedJobsNamespaceSelector)?")
-            return False
-        self.set_admitted(True, queueing.REASON_ADMITTED,
-                          f"Kueue admitted pod group {group} (LocalQueue {queue}); its pods are ungated")
-        return False
+        self.set_admitted(admission.admitted, admission.reason, admission.message)
+        return admission.queued
 
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
@@ -343,20 +277,16 @@ class _Pass:
                       "retrying cannot help; fix the spec or the data and create the job again)")
         elif verdict.verdict is fp.Verdict.SUCCEEDED:
             uri = builders.model_uri(self.job, self.spec)
-            self.st["output"]["uri"] = uri
-            self.st["completionTime"] = iso(self.now)
-            progress = self.st.setdefault("progress", {})
-            if progress.get("totalSteps"):
-                progress["step"] = progress["totalSteps"]
-                progress["summary"] = prog.summary(progress)
+            self.st.output.uri = uri
+            self.st.completion_time = iso(self.now)
+            self.st.progress = success.final_progress(self.st.progress)
             self.set_phase("Succeeded", c.REASON_SUCCEEDED, f"model exported to {uri}")
             self.event("Normal", c.REASON_SUCCEEDED, f"every rank exited 0; model exported to {uri}")
             self.cleanup_finished()
         elif verdict.verdict is fp.Verdict.RESTART_FAILED:
             self.attempt_failed(verdict, current)
         elif verdict.verdict is fp.Verdict.RESTART_PREEMPTED:
-            restarts = self.st.setdefault("restarts", {})
-            if restarts.get("preemptions", 0) >= rp.preemption_limit:
+            if self.st.restarts.preemptions >= rp.preemption_limit:
                 self.fail(c.REASON_PREEMPTION_LIMIT,
                           f"{c.REASON_PREEMPTION_LIMIT}: runPolicy.preemptionLimit ({rp.preemption_limit}) "
                           f"reached; last: {verdict.message}")
@@ -365,12 +295,12 @@ class _Pass:
         elif verdict.verdict is fp.Verdict.STARTING:
             self.starting(verdict)
         else:
-            if self.st.get("phase") != "Running":
+            if self.st.phase != "Running":
                 self.set_phase("Running", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
                 self.event("Normal", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
-            self.st.setdefault("startTime", iso(self.now))
+            self.st.start_time = self.st.start_time or iso(self.now)
             if self.metrics:
-                self.st["progress"] = prog.merge(self.st.get("progress", {}), self.metrics, iso(self.now))
+                self.st.progress = prog.merge(self.st.progress, self.metrics, iso(self.now))
             self.requeue(PROGRESS_INTERVAL_S)
             self.watchdog(current)
 
@@ -380,21 +310,16 @@ class _Pass:
         if self.queued:
             self.waiting_in_queue()
             return
-        launched = parse_time(self.st.get("launchTime")) or self.now
-        since = "creation"
-        admitted = c.get_condition(self.st.get("conditions", []), queueing.ADMITTED)
-        if admitted and admitted.get("status") == "True":
-            # Time spent queued is not start-up time: count from the admission.
-            at = parse_time(admitted.get("lastTransitionTime"))
-            if at and at > launched:
-                launched, since = at, "admission by Kueue"
-        left = (launched + timedelta(seconds=rp.startup_deadline_seconds) - self.now).total_seconds()
+        admitted = c.get_condition(self.st.conditions, queueing.ADMITTED)
+        admitted_at = parse_time(admitted.last_transition_time) if admitted and admitted.status == "True" else None
+        start, since = deadlines.startup_since(parse_time(self.st.launch_time) or self.now, admitted_at)
+        left = deadlines.startup_left(start, rp.startup_deadline_seconds, self.now)
         why = explain_waiting(self.spec, verdict.stuck_reason, verdict.stuck_message)
         if left <= 0:
             self.fail(c.REASON_STARTUP_DEADLINE, f"pods not all running {rp.startup_deadline_seconds}s after "
                       f"{since} (runPolicy.startupDeadlineSeconds){': ' + why if why else ''}")
             return
-        if self.st.get("phase") == "Pending":
+        if self.st.phase == "Pending":
             if why:
                 if self.reason_changed_to(verdict.stuck_reason):
                     self.event("Warning", verdict.stuck_reason, why)
@@ -406,8 +331,8 @@ class _Pass:
     def waiting_in_queue(self) -> None:
         """Gated by Kueue: no startup deadline runs (it starts at admission, since waiting
         for quota held by other teams is not a failure to start), and the job says so."""
-        message = c.get_condition(self.st["conditions"], queueing.ADMITTED)["message"]
-        if self.st.get("phase") == "Pending":
+        message = c.get_condition(self.st.conditions, queueing.ADMITTED).message  # type: ignore[union-attr]
+        if self.st.phase == "Pending":
             if self.reason_changed_to(queueing.REASON_QUEUED):
                 self.event("Normal", queueing.REASON_QUEUED, message)
             self.set_phase("Pending", queueing.REASON_QUEUED, message)
@@ -417,49 +342,40 @@ class _Pass:
                        reason: str | None = None) -> None:
         """A failed attempt: restart the gang, or fail the job when backoffLimit is spent."""
         rp = self.spec.run_policy
-        restarts = self.st.setdefault("restarts", {})
-        if restarts.get("failures", 0) >= rp.backoff_limit:
+        failures = self.st.restarts.failures
+        if failures >= rp.backoff_limit:
             self.fail(verdict.reason or c.REASON_BACKOFF_LIMIT,
-                      f"{c.REASON_BACKOFF_LIMIT}: {restarts.get('failures', 0) + 1} failed attempts "
+                      f"{c.REASON_BACKOFF_LIMIT}: {failures + 1} failed attempts "
                       f"(runPolicy.backoffLimit {rp.backoff_limit}); last: {verdict.message}")
         else:
             self.restart("failure", verdict, current, reason)
 
     def watchdog(self, current: dict[int, dict[str, Any]]) -> None:
-        """Restart a gang whose step stopped advancing (a rank stuck in a collective, say).
-
-        Armed once the step advanced during this attempt (so a long start-up, model load
-        or data scan, is not a hang) and disarmed after the last step (final validation
-        and export may legitimately take long)."""
+        """Restart a gang whose step stopped advancing (a rank stuck in a collective, say);
+        when the watchdog is armed: deadlines.py."""
         limit = self.spec.run_policy.progress_deadline_seconds
-        progress = self.st.get("progress") or {}
-        last = parse_time(progress.get("lastStepTime"))
-        launched = parse_time(self.st.get("launchTime"))
-        total, step = progress.get("totalSteps"), progress.get("step")
-        if not limit or last is None or launched is None or last < launched or (total and step and step >= total):
+        progress = self.st.progress
+        left = deadlines.progress_left(limit, parse_time(progress.last_step_time), parse_time(self.st.launch_time),
+                                       progress.step, progress.total_steps, self.now)
+        if left is None:
             return
-        left = (last + timedelta(seconds=limit) - self.now).total_seconds()
         if left > 0:
             self.requeue(left)
             return
         verdict = fp.GangVerdict(fp.Verdict.RESTART_FAILED, c.REASON_PROGRESS_DEADLINE,
-                                 f"step {step} has not advanced for {limit}s (runPolicy.progressDeadlineSeconds); "
-                                 "a rank may be stuck")
+                                 f"step {progress.step} has not advanced for {limit}s "
+                                 "(runPolicy.progressDeadlineSeconds); a rank may be stuck")
         self.attempt_failed(verdict, current, reason=c.REASON_PROGRESS_DEADLINE)
 
     def restart(self, cause: str, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
                 reason: str | None = None) -> None:
-        restarts = self.st.setdefault("restarts", {})
-        key = "failures" if cause == "failure" else "preemptions"
-        so_far = restarts.get("total", 0)
-        restarts[key] = restarts.get(key, 0) + 1
-        restarts["total"] = restarts.get("failures", 0) + restarts.get("preemptions", 0)
-        delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, so_far)
-        self.st["attempt"] = self.st.get("attempt", 0) + 1
-        self.st["restartAfter"] = iso(self.now + timedelta(seconds=delay))
+        delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, self.st.restarts.total)
+        self.st.restarts.count(cause)
+        self.st.attempt += 1
+        self.st.restart_after = iso(self.now + timedelta(seconds=delay))
         reason = reason or (c.REASON_RESTART_FAILURE if cause == "failure" else c.REASON_RESTART_PREEMPTION)
         message = (f"{verdict.reason}: {verdict.message}; restarting the whole gang in {delay:.0f}s "
-                   f"(attempt {self.st['attempt']})")
+                   f"(attempt {self.st.attempt})")
         self.set_phase("Restarting", reason, message)
         self.event("Warning", reason, message)
         self.plan.restart_cause = cause
@@ -467,8 +383,8 @@ class _Pass:
         self.requeue(max(delay, STALE_POLL_S))
 
     def finish(self) -> Plan:
-        if self.st != {**initial_status(), **{k: v for k, v in self.old.items() if k != "kopf"}}:
-            self.plan.status = self.st
+        if dump(self.st) != dump(self.old):
+            self.plan.new_status = self.st
         return self.plan
 
 

@@ -6,6 +6,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sftjob_operator import builders, reconcile
+from sftjob_operator.plan import Plan
 
 UID = "0f5c1a52-6a1e-4f0e-9d4e-3c1f7c8d2b10"
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -90,7 +91,7 @@ def terminated(pod: dict[str, Any], exit_code: int, message: str = "", reason: s
     return pod
 
 
-def apply(body: dict[str, Any], plan: reconcile.Plan) -> dict[str, Any]:
+def apply(body: dict[str, Any], plan: Plan) -> dict[str, Any]:
     """The job as the API server holds it after the handler applied `plan`'s status writes."""
     body = copy.deepcopy(body)
     if plan.status is not None:

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from sftjob_trainer.config import DataConfig, LoraConfig, OptimConfig, TrainerConfig
 
-from sftjob_operator import api, crd
+from sftjob_operator import api, crd, resources
 
 pytestmark = pytest.mark.unit
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "sftjob.io_sftjobs.yaml"
@@ -41,11 +41,13 @@ def test_schema_is_structural_and_documented():
             assert isinstance(node.get(bound, True), bool), path
 
 
-def test_status_keeps_unknown_fields_and_has_subresource():
+def test_status_prunes_unknown_fields_and_has_subresource():
+    """A misspelled status field must not be stored silently: the API server prunes it."""
     version = crd.crd()["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
-    assert status["x-kubernetes-preserve-unknown-fields"] is True
+    assert "x-kubernetes-preserve-unknown-fields" not in status
+    assert "restartAfter" in status["properties"] and "launchedAttempt" in status["properties"]
     cols = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert cols == ["Phase", "Reason", "Step", "Loss", "Restarts", "Age"]
 
@@ -119,7 +121,7 @@ def test_operator_env_is_reserved():
     body = job_body({"storage.region": "eu-west-1"})
     pod = builders.build_pod(builders.JobRef.from_body(body), builders.parse_spec(body["spec"]), 0, 0)
     ours = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
-    reserved = set(api.RESERVED_ENV)
+    reserved = set(resources.RESERVED_ENV)
     credentials = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}  # refused as credentials instead
     for name in ours - credentials:
-        assert name in reserved or name.startswith(api.RESERVED_ENV_PREFIX), name
+        assert name in reserved or name.startswith(resources.RESERVED_ENV_PREFIX), name

@@ -10,7 +10,7 @@ import pytest
 from sftjob_operator import failure_policy as fp
 from sftjob_operator import queueing, reconcile
 
-from .op_testkit import UID, apply, at, job_body, observe, terminated
+from .op_testkit import UID, apply, at, job_body, observe, pods_for, terminated
 
 pytestmark = pytest.mark.unit
 def queued_body(**spec):
@@ -155,3 +155,25 @@ def test_pods_never_gated_say_kueue_does_not_manage_them():
     plan = reconcile.plan(body, pods, at(5))
     adm = cond(plan.status, queueing.ADMITTED)
     assert adm["reason"] == queueing.REASON_NOT_MANAGED and plan.status["phase"] == "Running"
+
+
+def _group(gated: bool | None):
+    """The launched gang of a queued job: gated by Kueue (True), admitted (False), or never
+    taken in by Kueue's webhook (None)."""
+    _, plan = launched(queued_body())
+    pods = observed(plan)
+    return pods if gated is None else as_kueue_sees(pods, gated)
+
+
+@pytest.mark.parametrize("pods, admitted, reason, queued", [
+    (pods_for(job_body()), None, None, None),                    # no pod group: not Kueue's
+    (_group(gated=True), False, queueing.REASON_WAITING, True),
+    (_group(gated=False), True, queueing.REASON_ADMITTED, False),
+    (_group(gated=None), True, queueing.REASON_NOT_MANAGED, False),  # runs outside any quota
+])
+def test_admission(pods, admitted, reason, queued):
+    got = queueing.admission(pods)
+    if admitted is None:
+        assert got is None
+    else:
+        assert (got.admitted, got.reason, got.queued) == (admitted, reason, queued)

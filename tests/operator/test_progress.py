@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from sftjob_operator import progress
+from sftjob_operator.status import Progress
 
 pytestmark = pytest.mark.unit
 
@@ -38,13 +39,15 @@ def test_parse_metrics_picks_the_contract_gauges():
 
 
 def test_merge_rounds_summarises_and_stamps_only_on_change():
-    new = progress.merge({}, progress.parse_metrics(TEXT), "T1")
-    assert (new["summary"], new["loss"], new["tokensPerSecond"], new["updatedTime"]) == ("12/40", 2.7183, 1234.6, "T1")
-    assert progress.merge(new, progress.parse_metrics(TEXT), "T2")["updatedTime"] == "T1"
+    new = progress.merge(Progress(), progress.parse_metrics(TEXT), "T1")
+    assert (new.summary, new.loss, new.tokens_per_second, new.updated_time) == ("12/40", 2.7183, 1234.6, "T1")
+    assert new.last_step_time == "T1"
+    again = progress.merge(new, progress.parse_metrics(TEXT), "T2")
+    assert (again.updated_time, again.last_step_time) == ("T1", "T1")
 
 
 def test_uninitialised_trainer_does_not_wipe_progress():
-    before = {"step": 12, "totalSteps": 40, "loss": 2.5, "summary": "12/40"}
+    before = Progress(step=12, total_steps=40, loss=2.5, summary="12/40")
     assert progress.merge(before, {"step": 0, "totalSteps": 0, "loss": 0.0}, "T") == before
 
 

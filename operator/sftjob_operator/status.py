@@ -1,0 +1,150 @@
+"""The SFTJob status as a typed model: what reconcile reads, decides and writes.
+
+The operator is the status's only writer, and the status is where it keeps everything it
+must not lose when it restarts (attempt numbers, restart times): no state lives in the
+operator's memory. A pass parses the stored status once (`parse`), changes the model, and
+writes it back as one JSON merge patch (`merge_patch`), camelCase as on the wire.
+
+Unknown fields are refused on both sides: the models forbid extra keys (a misspelled field
+is a ValidationError in the operator, never a key stored silently), and the CRD's status
+schema does not preserve unknown fields, so the API server prunes what it does not know.
+Times are strings in the one format the status has always used (`iso`, `parse_time`).
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+# Status keys the operator does not own: kopf's default storage keeps handler progress in
+# `status.kopf`; this operator keeps it in annotations (handlers.startup), but a status
+# written under kopf's defaults may still carry it. It is neither parsed nor ever deleted.
+FOREIGN_KEYS = ("kopf",)
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+class StatusModel(BaseModel):
+    """Base of the status models: camelCase on the wire, unknown keys rejected, every
+    assignment validated (a pass edits the model in place)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              validate_assignment=True)
+
+
+Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
+
+
+class Condition(StatusModel):
+    """A condition in Kubernetes form (metav1.Condition)."""
+
+    model_config = ConfigDict(frozen=True)   # replaced whole (conditions.set_condition), never edited
+
+    type: str = Field(description="Ready, Running, Restarting, Suspended, Succeeded, Failed, Reconciling or Stalled.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason, one of the constants in sftjob_operator.conditions.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="metadata.generation this was computed from.")
+
+
+class RestartCounts(StatusModel):
+    """Gang restarts, by cause."""
+
+    failures: int = Field(default=0, description="Restarts after a rank failed (exit 1 or 3..127, OOM-killed, "
+                          "hung); spends runPolicy.backoffLimit.")
+    preemptions: int = Field(default=0, description="Restarts after a pod was preempted, evicted, deleted or lost its node.")
+    total: int = Field(default=0, description="failures + preemptions.")
+
+    def count(self, cause: Literal["failure", "preemption"]) -> None:
+        """Count one gang restart by its cause."""
+        if cause == "failure":
+            self.failures += 1
+        else:
+            self.preemptions += 1
+        self.total = self.failures + self.preemptions
+
+
+class Progress(StatusModel):
+    """Training progress mirrored from the rank-0 trainer's metrics endpoint."""
+
+    step: int | None = Field(default=None, description="Optimizer steps done.")
+    total_steps: int | None = Field(default=None, description="Optimizer steps in the whole run.")
+    epoch: int | None = Field(default=None, description="Current epoch (0-based).")
+    loss: float | None = Field(default=None, description="Latest training loss.")
+    tokens_per_second: float | None = Field(default=None, description="Latest training throughput (all ranks).")
+    last_checkpoint_step: int | None = Field(default=None, description="Step of the newest committed checkpoint.")
+    summary: str | None = Field(default=None, description="step/totalSteps, as shown by kubectl get.")
+    last_step_time: str | None = Field(default=None, description="When step last advanced (RFC 3339).")
+    updated_time: str | None = Field(default=None, description="When these values were last read (RFC 3339).")
+
+
+class OutputStatus(StatusModel):
+    """Where the results are."""
+
+    uri: str | None = Field(default=None, description="The exported Hugging Face model (set when the job succeeds).")
+    checkpoints_uri: str | None = Field(default=None, description="Where the job's checkpoints are written.")
+
+
+class SFTJobStatus(StatusModel):
+    """Observed state of an SFTJob."""
+
+    phase: Phase | None = Field(default=None, description="Pending, Running, Restarting, Suspended, Succeeded or Failed.")
+    observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
+    conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
+    restarts: RestartCounts = Field(default_factory=RestartCounts, description="Gang restarts by cause.")
+    progress: Progress = Field(default_factory=Progress, description="Training progress.")
+    start_time: str | None = Field(default=None, description="When all pods of the job first ran (reset on suspend).")
+    completion_time: str | None = Field(default=None, description="When the job succeeded or failed.")
+    output: OutputStatus = Field(default_factory=OutputStatus, description="Where the results are.")
+    attempt: int = Field(
+        default=0,
+        description="Gang generation: grows whenever the pods are torn down (restart or suspend). Pods "
+        "carry it in the sftjob.io/attempt label so that stale pods are never taken for the current gang.",
+    )
+    launched_attempt: int | None = Field(default=None, description="The attempt whose pods were all created.")
+    launch_time: str | None = Field(default=None, description="When the current attempt's pods were created.")
+    restart_after: str | None = Field(default=None, description="Earliest time of the next gang start (back-off).")
+    message: str | None = Field(default=None, description="Why the job is in its phase.")
+
+
+def iso(t: datetime) -> str:
+    """A status time: UTC, whole seconds (RFC 3339)."""
+    return t.astimezone(timezone.utc).strftime(TIME_FORMAT)
+
+
+def parse_time(s: str | None) -> datetime | None:
+    if not s:
+        return None
+    return datetime.strptime(s, TIME_FORMAT).replace(tzinfo=timezone.utc)
+
+
+def parse(raw: dict[str, Any] | None) -> SFTJobStatus:
+    """The stored status (`body.status`, None for a new job) as a model.
+
+    Raises pydantic.ValidationError for a field the model does not know."""
+    return SFTJobStatus.model_validate({k: v for k, v in (raw or {}).items() if k not in FOREIGN_KEYS})
+
+
+def dump(status: SFTJobStatus) -> dict[str, Any]:
+    """The wire form: camelCase, unset optional fields absent rather than null."""
+    return status.model_dump(by_alias=True, exclude_none=True)
+
+
+def merge_patch(old: dict[str, Any] | None, new: SFTJobStatus) -> dict[str, Any]:
+    """The `status` of a JSON merge patch (RFC 7386) that stores `new` over `old`.
+
+    A merge patch deletes only what it names with null, so every top-level field stored in
+    `old` and unset in `new` (restartAfter after a resume, startTime on suspend) is sent as
+    an explicit null. Nested objects (progress, output, restarts) are merged by the API
+    server; the operator only ever adds or changes their fields. Conditions is a list and
+    is replaced whole."""
+    wire = dump(new)
+    gone = {k: None for k in (old or {}) if k not in wire and k not in FOREIGN_KEYS}
+    return {**gone, **wire}
+
+
+def fields_patch(**fields: Any) -> dict[str, Any]:
+    """A merge patch that sets only `fields` (model field names, validated like the model)."""
+    return SFTJobStatus(**fields).model_dump(by_alias=True, include=set(fields))

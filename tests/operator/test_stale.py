@@ -1,0 +1,35 @@
+"""Pods of an earlier gang, table-driven: wait for them, or force-delete on a lost node."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+from .op_testkit import at, job_body, pods_for
+
+from sftjob_operator import stale
+
+pytestmark = pytest.mark.unit
+POD = pods_for(job_body())[0]   # on node-0
+
+
+def _deleting(grace_ended_at: str | None):
+    pod = copy.deepcopy(POD)
+    if grace_ended_at:
+        pod["metadata"]["deletionTimestamp"] = grace_ended_at
+    return pod
+
+
+@pytest.mark.parametrize("ends, node_ready, now, force, lingering", [
+    (None, False, at(100), False, False),                     # not being deleted yet
+    ("2026-01-01T12:00:00Z", False, at(-1), False, False),   # still in its grace period
+    ("2026-01-01T12:00:00Z", True, at(100), False, True),    # node fine: wait for its kubelet
+    ("2026-01-01T12:00:00Z", None, at(100), False, True),    # node unknown: wait
+    ("2026-01-01T12:00:00Z", False, at(29), False, True),    # node lost, not long enough
+    ("2026-01-01T12:00:00Z", False, at(30), True, True),     # node lost: force-delete
+])
+def test_lingering(ends, node_ready, now, force, lingering):
+    ready = {} if node_ready is None else {"node-0": node_ready}
+    out = stale.lingering([_deleting(ends)], ready, now)
+    assert bool(out) == lingering
+    if out:
+        assert out[0].pod == "tiny-node-0" and out[0].force_delete == force and "node-0" in out[0].message
