@@ -3,7 +3,7 @@
 The CRD in crds/ is generated from these models (see crd.py), so the descriptions here are
 what `kubectl explain sftjob.spec...` prints and the defaults here are what the API server
 fills in. The trainer-facing sections (`model`, `data`, `training`) are derived field by
-field from the trainer's own config (`sftjob_trainer.config`), renamed to camelCase, so
+field from the trainer's own config (`sftjob_contract.config`), renamed to camelCase, so
 the two sides never disagree about a default, a bound or a description.
 
 Cross-field checks and immutability are CEL rules (`x-kubernetes-validations`) attached
@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
-from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
+from sftjob_contract import env as E
+from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
 
 GROUP = "sftjob.io"
 VERSION = "v1alpha1"
@@ -41,10 +42,8 @@ _LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 _ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # Environment the operator sets on every trainer pod (builders._env); a user's entry would
 # silently break the rendezvous or the storage settings, so the API server refuses them.
-RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_RANK",
-                "LOCAL_WORLD_SIZE", "NPROC_PER_NODE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PYTHONUNBUFFERED",
-                "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
-RESERVED_ENV_PREFIX = "SFTJOB_"
+RESERVED_ENV = E.RESERVED
+RESERVED_ENV_PREFIX = E.RESERVED_PREFIX
 # Names that carry credentials: these must come from a Secret (valueFrom.secretKeyRef).
 _CREDENTIAL_NAME = r"(^|_)(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIALS?|SESSION_TOKEN)(_|$)"
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from sftjob_contract import layout
+
 from . import api, builders, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
@@ -172,7 +174,7 @@ class _Pass:
             return self.finish()
         self.st["observedGeneration"] = self.generation
         out = self.st.setdefault("output", {})
-        out["checkpointsUri"] = builders.output_dir(self.job, self.spec) + "/checkpoints"
+        out["checkpointsUri"] = f"{builders.output_dir(self.job, self.spec)}/{layout.CHECKPOINTS}"
 
         phase = self.st.get("phase")
         if phase in TERMINAL:

@@ -28,8 +28,9 @@ import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 import torch
 
+from sftjob_contract.config import DataConfig
+
 from . import dist as dist_utils
-from .config import DataConfig
 from .errors import InvalidData
 from .storage import is_s3, parquet_filesystem
 

@@ -33,8 +33,9 @@ import logging
 import torch
 from torch import nn
 
+from sftjob_contract.config import LoraConfig, ModelConfig
+
 from .attention import pick_attention, register_attention
-from .config import LoraConfig, ModelConfig
 from .dist import World
 from .errors import InvalidConfig
 from .precision import WidenedBf16Linear, fsdp_mixed_precision, widened_linear
