@@ -124,7 +124,7 @@ def check_attention(args, torch) -> str:
 
     import torch.distributed as dist
 
-    from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig
+    from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig
     from sftjob_trainer.data import SampleBuilder, SFTDataset
     from sftjob_trainer.batching import collate
     from sftjob_trainer.dist import World, backend_for

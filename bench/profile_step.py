@@ -37,7 +37,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import AutoTokenizer
 
-    from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
+    from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
     from sftjob_trainer.data import SampleBuilder, SFTDataset
     from sftjob_trainer.batching import GlobalBatches
     from sftjob_trainer.dist import World

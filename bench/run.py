@@ -80,7 +80,7 @@ def check_same_tokens(data: Path, model: Path, n: int = 64) -> None:
     """Our trainer, reading the text columns with the chat template, sees the bench's token ids."""
     from transformers import AutoTokenizer
 
-    from sftjob_trainer.config import DataConfig
+    from sftjob_contract.config import DataConfig
     from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
 
     f = str(data / "train.parquet")

@@ -4,7 +4,7 @@ The CRD in crds/ is generated from these models (see crd.py), so the description
 are what `kubectl explain sftjob.spec...` prints and the defaults here are what the API
 server fills in. `spec.resources` is in resources.py, the status in status.py, and what
 they all share in schema.py. The trainer-facing sections (`model`, `data`, `training`) are derived field by
-field from the trainer's own config (`sftjob_trainer.config`), renamed to camelCase, so
+field from the trainer's own config (`sftjob_contract.config`), renamed to camelCase, so
 the two sides never disagree about a default, a bound or a description.
 
 Cross-field checks and immutability are CEL rules (`x-kubernetes-validations`) attached
@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
-from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
+from sftjob_contract import env as E
+from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
 
 from .resources import ResourcesSpec
 from .schema import DNS_SUBDOMAIN, IMMUTABLE, URI_MESSAGE, URI_RULE, SpecModel, cel, rules

@@ -13,7 +13,9 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
-from sftjob_trainer.config import SFTConfig
+from sftjob_contract import command, layout
+from sftjob_contract import env as E
+from sftjob_contract.config import SFTConfig
 
 from . import api
 from .resources import EnvVar
@@ -81,11 +83,8 @@ def output_dir(job: JobRef, spec: api.SFTJobSpec) -> str:
 
 def model_uri(job: JobRef, spec: api.SFTJobSpec) -> str:
     """The exported Hugging Face model (docs/trainer-contract.md): hf/final, or for a LoRA run
-    exported without merging (output.mergeLora false) the adapter in hf/adapter, the only
-    model such a run writes."""
-    if spec.training.lora.rank > 0 and not spec.output.merge_lora:
-        return f"{output_dir(job, spec)}/hf/adapter"
-    return f"{output_dir(job, spec)}/hf/final"
+    exported without merging (output.mergeLora false) the adapter in hf/adapter."""
+    return f"{output_dir(job, spec)}/{layout.exported_model(spec.training.lora.rank > 0, spec.output.merge_lora)}"
 
 
 def master_addr(job: JobRef) -> str:
@@ -192,17 +191,17 @@ def trainer_command(job: JobRef, spec: api.SFTJobSpec, rank: int, master_port: i
     """The trainer's launcher (torchrun with exit codes the failure policy can read) for a
     multi-process gang; plain `python -m sftjob_trainer` for a single process."""
     res = spec.resources
-    config = ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    config = [command.CONFIG_FLAG, f"{CONFIG_DIR}/{CONFIG_FILE}"]
     if res.nodes * res.processes_per_node == 1:
-        return ["python", "-m", "sftjob_trainer", *config]
+        return ["python", "-m", command.TRAINER_MODULE, *config]
     return [
-        "python", "-m", "sftjob_trainer.launch",
+        "python", "-m", command.LAUNCHER_MODULE,
         f"--nnodes={res.nodes}",
         f"--nproc-per-node={res.processes_per_node}",
         f"--node-rank={rank}",
         f"--master-addr={master_addr(job)}",
         f"--master-port={master_port}",
-        "--", *config,
+        command.SEPARATOR, *config,
     ]
 
 
@@ -211,27 +210,27 @@ def _env(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int, master_port
     env: list[dict[str, Any]] = [
         # PyTorchJob-style variables: WORLD_SIZE and RANK count pods (node ranks); torchrun
         # sets the per-process WORLD_SIZE/RANK/LOCAL_RANK for the trainer itself.
-        {"name": "MASTER_ADDR", "value": master_addr(job)},
-        {"name": "MASTER_PORT", "value": str(master_port)},
-        {"name": "WORLD_SIZE", "value": str(res.nodes)},
-        {"name": "RANK", "value": str(rank)},
-        {"name": "NODE_RANK", "value": str(rank)},
-        {"name": "NPROC_PER_NODE", "value": str(res.processes_per_node)},
-        {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(elastic_shutdown_timeout(spec))},
-        {"name": "PYTHONUNBUFFERED", "value": "1"},
-        {"name": "SFTJOB_JOB_NAME", "value": job.name},
-        {"name": "SFTJOB_ATTEMPT", "value": str(attempt)},
+        {"name": E.MASTER_ADDR, "value": master_addr(job)},
+        {"name": E.MASTER_PORT, "value": str(master_port)},
+        {"name": E.WORLD_SIZE, "value": str(res.nodes)},
+        {"name": E.RANK, "value": str(rank)},
+        {"name": E.NODE_RANK, "value": str(rank)},
+        {"name": E.NPROC_PER_NODE, "value": str(res.processes_per_node)},
+        {"name": E.TORCH_ELASTIC_SHUTDOWN_TIMEOUT, "value": str(elastic_shutdown_timeout(spec))},
+        {"name": E.PYTHONUNBUFFERED, "value": "1"},
+        {"name": E.JOB_NAME, "value": job.name},
+        {"name": E.ATTEMPT, "value": str(attempt)},
     ]
     if storage.endpoint:
-        env.append({"name": "AWS_ENDPOINT_URL", "value": storage.endpoint})
+        env.append({"name": E.AWS_ENDPOINT_URL, "value": storage.endpoint})
     if storage.region:
-        env += [{"name": "AWS_REGION", "value": storage.region},
-                {"name": "AWS_DEFAULT_REGION", "value": storage.region}]
+        env += [{"name": E.AWS_REGION, "value": storage.region},
+                {"name": E.AWS_DEFAULT_REGION, "value": storage.region}]
     if storage.credentials_secret_ref:
         secret = storage.credentials_secret_ref.name
         env += [
             {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
-            for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+            for key in (E.AWS_ACCESS_KEY_ID, E.AWS_SECRET_ACCESS_KEY)
         ]
     env += [_user_env(e) for e in res.env or []]
     return env

@@ -26,20 +26,17 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from sftjob_contract import exits
+
 from . import conditions as c
 from . import queueing
 
 MAX_RESTART_BACKOFF_S = 300.0
 
-# Termination-message reasons written by the trainer (docs/trainer-contract.md).
-TRAINER_FAILURE_REASONS = {"InvalidConfig", "InvalidData", "TrainingError"}
-TRAINER_PERMANENT_REASONS = {"InvalidConfig", "InvalidData"}
-PERMANENT_EXIT_CODE = 2   # "invalid config or data; retrying cannot help"
 # Signals that stop a process from outside (the kubelet, a drain, an admin, the kernel's
 # OOM killer outside any cgroup limit); any other signal is the process crashing itself.
 STOP_SIGNALS = {1: "SIGHUP", 2: "SIGINT", 9: "SIGKILL", 15: "SIGTERM"}
 CRASH_SIGNALS = {4: "SIGILL", 5: "SIGTRAP", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 11: "SIGSEGV", 31: "SIGSYS"}
-TRAINER_PREEMPTED_REASON = "Preempted"
 # pod.status.reason values set when the pod itself was taken away, not when it failed.
 PREEMPTED_POD_REASONS = {"Evicted", "NodeLost", "Shutdown", "NodeShutdown", "Terminated",
                          "Preempting", "UnexpectedAdmissionError", "NodeAffinity", "OutOfcpu",
@@ -137,12 +134,12 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
     if status.get("reason") in PREEMPTED_POD_REASONS:
         return PodOutcome(State.PREEMPTED, status["reason"], status.get("message", ""), exit_code)
     if phase == "Failed":
-        if t_reason == TRAINER_PREEMPTED_REASON:
+        if t_reason == exits.REASON_PREEMPTED:
             return PodOutcome(State.PREEMPTED, c.REASON_PREEMPTED, t_message, exit_code)
-        if t_reason in TRAINER_PERMANENT_REASONS or exit_code == PERMANENT_EXIT_CODE:
+        if t_reason in exits.PERMANENT_REASONS or exit_code == exits.PERMANENT:
             return PodOutcome(State.FAILED, t_reason or c.REASON_INVALID_CONFIG,
                               t_message or "the trainer exited 2: invalid config or data", exit_code, permanent=True)
-        if t_reason in TRAINER_FAILURE_REASONS:
+        if t_reason in exits.FAILURE_REASONS:
             return PodOutcome(State.FAILED, t_reason, t_message, exit_code)
         if term and term.get("reason") == "OOMKilled":
             # Killed by the kernel for exceeding its memory limit: it would happen again.

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
+from sftjob_contract.metrics import METRICS_PATH
 
 from . import api, builders, metrics, progress, reconcile, rejections, status
 from .kube import Conflict, Kube
@@ -211,7 +212,7 @@ async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[
     rank0 = _rank0(body, pods)
     running = rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP")
     if rt.scraper is not None and running:
-        url = f"http://{rank0['status']['podIP']}:{builders.METRICS_PORT}/metrics"
+        url = f"http://{rank0['status']['podIP']}:{builders.METRICS_PORT}{METRICS_PATH}"
         scraped = rt.scraper.want(key, rank0["metadata"]["uid"], url)
     elif rt.scraper is not None:
         rt.scraper.forget(key)

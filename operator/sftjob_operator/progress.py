@@ -1,7 +1,7 @@
 """Training progress: read the rank-0 trainer's Prometheus endpoint into status.progress.
 
 The operator, not the training pods, does the reading (an HTTP GET of the pod IP), so the
-pods need no RBAC at all. Metric names are those of docs/trainer-contract.md.
+pods need no RBAC at all. Metric names are the contract's (sftjob_contract.metrics).
 
 The endpoint is the user's pod, so nothing it serves may hurt the operator: a response is
 read up to MAX_BYTES and parsed off the event loop, values that are not finite are
@@ -18,6 +18,7 @@ from typing import Callable, Hashable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from sftjob_contract import metrics as M
 
 from .status import Progress
 
@@ -25,17 +26,17 @@ log = logging.getLogger(__name__)
 
 # trainer metric -> (status.progress key, type)
 METRICS: dict[str, tuple[str, type]] = {
-    "sftjob_trainer_step": ("step", int),
-    "sftjob_trainer_total_steps": ("totalSteps", int),
-    "sftjob_trainer_epoch": ("epoch", int),
-    "sftjob_trainer_loss": ("loss", float),
-    "sftjob_trainer_tokens_per_second": ("tokensPerSecond", float),
-    "sftjob_trainer_last_checkpoint_step": ("lastCheckpointStep", int),
+    M.STEP: ("step", int),
+    M.TOTAL_STEPS: ("totalSteps", int),
+    M.EPOCH: ("epoch", int),
+    M.LOSS: ("loss", float),
+    M.TOKENS_PER_SECOND: ("tokensPerSecond", float),
+    M.LAST_CHECKPOINT_STEP: ("lastCheckpointStep", int),
 }
 SCRAPE_TIMEOUT_S = 3.0
 CONNECT_TIMEOUT_S = 1.0
 MAX_BYTES = 1 << 20          # a trainer serves a few KiB; more is not a trainer's endpoint
-SCRAPE_INTERVAL_S = 5.0
+SCRAPE_INTERVAL_S = M.SCRAPE_INTERVAL_S
 MAX_BACKOFF_S = 20.0         # an endpoint that does not answer is tried less often
 MAX_CONCURRENT = 32
 

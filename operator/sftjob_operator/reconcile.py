@@ -26,6 +26,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from sftjob_contract import layout
+
 from . import builders, deadlines, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
@@ -133,7 +135,7 @@ class _Pass:
             self.plan.invalid = str(err)
             return self.finish()
         self.st.observed_generation = self.generation
-        self.st.output.checkpoints_uri = builders.output_dir(self.job, self.spec) + "/checkpoints"
+        self.st.output.checkpoints_uri = f"{builders.output_dir(self.job, self.spec)}/{layout.CHECKPOINTS}"
 
         if self.st.phase in TERMINAL:
             self.cleanup_finished()

@@ -9,15 +9,14 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import ConfigDict, Field
+from sftjob_contract import env as E
 
 from .schema import CREDENTIAL_NAME, DNS_SUBDOMAIN, ENV_NAME, LABEL_VALUE, QUALIFIED_NAME, SpecModel, cel, rules
 
 # Environment the operator sets on every trainer pod (builders._env); a user's entry would
 # silently break the rendezvous or the storage settings, so the API server refuses them.
-RESERVED_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "NODE_RANK", "LOCAL_RANK",
-                "LOCAL_WORLD_SIZE", "NPROC_PER_NODE", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "PYTHONUNBUFFERED",
-                "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
-RESERVED_ENV_PREFIX = "SFTJOB_"
+RESERVED_ENV = E.RESERVED
+RESERVED_ENV_PREFIX = E.RESERVED_PREFIX
 
 
 class Toleration(SpecModel):

@@ -96,7 +96,7 @@ def test_reference_block_replacement_and_check(tmp_path):
 
 
 def test_trainer_reference_lists_every_key():
-    from sftjob_trainer.config import SFTConfig
+    from sftjob_contract.config import SFTConfig
 
     md = gen_reference.render_trainer()
     for section, field in SFTConfig.model_fields.items():

@@ -29,7 +29,7 @@ def repo(tmp_path, monkeypatch) -> Path:
     files no image contains."""
     root = tmp_path / "repo"
     for rel in ("pyproject.toml", "README.md", "charts/sftjob-operator/Chart.yaml", "images",
-                "operator/sftjob_operator", "trainer/sftjob_trainer"):
+                "contract/sftjob_contract", "operator/sftjob_operator", "trainer/sftjob_trainer"):
         src, dst = REPO / rel, root / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         if src.is_dir():
@@ -59,22 +59,26 @@ def test_keys_are_stable_and_distinct(repo):
     assert all(len(k) == 16 and int(k, 16) >= 0 for k in first.values())
 
 
-def test_a_package_source_changes_both_python_images(repo):
-    """Both images hold the whole sftjob distribution (the operator imports the trainer's config
-    schema), so an edit in either package remakes both, and only them."""
+def test_a_package_source_changes_the_images_that_hold_it(repo):
+    """Both images hold the contract, each its own package besides: a contract edit remakes
+    both, an operator or trainer edit only its image."""
+    before = keys(repo)
+    config = repo / "contract" / "sftjob_contract" / "config.py"
+    config.write_text(config.read_text() + "\n# edited\n")
+    assert changed(before, keys(repo)) == {"operator", "trainer"}
     before = keys(repo)
     cli = repo / "operator" / "sftjob_operator" / "cli.py"
     cli.write_text(cli.read_text() + "\n# edited\n")
-    assert changed(before, keys(repo)) == {"operator", "trainer"}
+    assert changed(before, keys(repo)) == {"operator"}
     before = keys(repo)
     (repo / "trainer" / "sftjob_trainer" / "new_module.py").write_text("X = 1\n")
-    assert changed(before, keys(repo)) == {"operator", "trainer"}
+    assert changed(before, keys(repo)) == {"trainer"}
 
 
 def test_the_executable_bit_is_an_input(repo):
     before = keys(repo)
     os.chmod(repo / "trainer" / "sftjob_trainer" / "launch.py", 0o755)
-    assert changed(before, keys(repo)) == {"operator", "trainer"}
+    assert changed(before, keys(repo)) == {"trainer"}
 
 
 def test_files_outside_the_context_change_nothing(repo):
@@ -179,15 +183,17 @@ def test_ignore_rules_follow_dockerignore(tmp_path):
 
 
 def test_the_real_contexts_hold_the_distribution_only():
-    """What the Dockerfiles' COPY lines can see: pyproject.toml and the two packages, without
-    bytecode (compared with git's list of those packages)."""
-    tracked = subprocess.run(["git", "ls-files", "operator/sftjob_operator", "trainer/sftjob_trainer"], cwd=REPO,
-                             capture_output=True, text=True, check=True).stdout.split()
+    """What the Dockerfiles' COPY lines can see: pyproject.toml, the contract and the image's own
+    package (the operator's context has no trainer), without bytecode (compared with git's
+    list of those packages)."""
     for name, bud in images.BUDS.items():
+        packages = ["contract/sftjob_contract", f"{name}/sftjob_{name}"]
+        tracked = subprocess.run(["git", "ls-files", *packages], cwd=REPO,
+                                 capture_output=True, text=True, check=True).stdout.split()
         files = images.context_files(REPO, REPO / bud.ignorefile)
         assert "pyproject.toml" in files and "README.md" not in files, name
         rest = [f for f in files if f != "pyproject.toml"]
-        assert all(f.startswith(("operator/sftjob_operator/", "trainer/sftjob_trainer/")) for f in rest), rest
+        assert all(f.startswith(tuple(p + "/" for p in packages)) for f in rest), rest
         assert not any("__pycache__" in f for f in rest)
         assert set(tracked) <= set(rest), set(tracked) - set(rest)
 

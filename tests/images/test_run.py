@@ -104,7 +104,7 @@ def run(address: str, ref: str, *cmd: str, timeout: float = 300) -> subprocess.C
 
 PROBE = ("import json, os, importlib.util as u; print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), "
          "'home': os.environ.get('HOME'), 'cwd': os.getcwd(), "
-         "'found': {m: u.find_spec(m) is not None for m in ('torch', 'sftjob_operator', 'sftjob_trainer')}}))")
+         "'found': {m: u.find_spec(m) is not None for m in ('torch', 'sftjob_contract', 'sftjob_operator', 'sftjob_trainer')}}))")
 
 
 def probe(address: str, ref: str, extra: str = "") -> dict:
@@ -126,9 +126,9 @@ def test_load_imports_once_then_skips(loaded, built):
 
 def test_operator_image_runs_the_operator_without_torch_as_65532(loaded, built):
     address, _ = loaded
-    out = probe(address, built["operator"].ref, "import sftjob_operator.cli, sftjob_trainer.config; ")
+    out = probe(address, built["operator"].ref, "import sftjob_operator.cli, sftjob_contract.config; ")
     assert (out["uid"], out["gid"]) == (65532, 65532)
-    assert out["found"] == {"torch": False, "sftjob_operator": True, "sftjob_trainer": True}
+    assert out["found"] == {"torch": False, "sftjob_contract": True, "sftjob_operator": True, "sftjob_trainer": False}
     # The entrypoint the chart's Deployment runs (its args: --all-namespaces --log-format=json).
     res = run(address, built["operator"].ref, "sftjob-operator", "--help")
     assert res.returncode == 0 and "--leader-elect" in res.stdout, res.stdout + res.stderr
@@ -140,7 +140,7 @@ def test_trainer_image_imports_torch_and_the_trainer_as_1000(loaded, built):
                 "import torch, sftjob_trainer.launch; assert torch.ones(2, 2).sum().item() == 4; ")
     assert (out["uid"], out["gid"]) == (1000, 1000)
     assert out["home"] == out["cwd"] == "/home/trainer"
-    assert out["found"] == {"torch": True, "sftjob_operator": True, "sftjob_trainer": True}
+    assert out["found"] == {"torch": True, "sftjob_contract": True, "sftjob_operator": False, "sftjob_trainer": True}
 
 
 def test_trainer_image_trains(loaded, built):

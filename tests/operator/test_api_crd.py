@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sftjob_trainer.config import DataConfig, LoraConfig, OptimConfig, TrainerConfig
+from sftjob_contract.config import DataConfig, LoraConfig, OptimConfig, TrainerConfig
 
 from sftjob_operator import api, crd, resources
 

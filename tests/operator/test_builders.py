@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from .op_testkit import job_body
-from sftjob_trainer.config import SFTConfig
+from sftjob_contract.config import SFTConfig
 
 from sftjob_operator import builders
 

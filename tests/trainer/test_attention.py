@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sftjob_trainer import attention
-from sftjob_trainer.config import ConfigError, build_config
+from sftjob_contract.config import ConfigError, build_config
 from sftjob_trainer.errors import InvalidConfig
 
 pytestmark = pytest.mark.unit

@@ -1,6 +1,6 @@
 import pytest
 
-from sftjob_trainer.config import ConfigError, SFTConfig, build_config, load_config, parse_overrides
+from sftjob_contract.config import ConfigError, SFTConfig, build_config, load_config, parse_overrides
 
 pytestmark = pytest.mark.unit
 

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from sftjob_trainer.config import DataConfig
+from sftjob_contract.config import DataConfig
 from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
 from sftjob_trainer.batching import GlobalBatches, collate
 from sftjob_trainer.errors import InvalidData

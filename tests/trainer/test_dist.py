@@ -25,7 +25,7 @@ def test_other_ranks_build_the_model_without_weights(assets, monkeypatch):
     whose code cannot be built on meta is loaded normally instead."""
     from transformers import AutoModelForCausalLM
 
-    from sftjob_trainer.config import ModelConfig
+    from sftjob_contract.config import ModelConfig
     from sftjob_trainer.model import load_model
 
     cfg = ModelConfig(path=str(assets / "model"))

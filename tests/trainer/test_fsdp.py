@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
+from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
 from sftjob_trainer.data import SampleBuilder, SFTDataset
 from sftjob_trainer.batching import collate
 from sftjob_trainer.dist import World

@@ -1,6 +1,6 @@
 import pytest
 
-from sftjob_trainer.config import OptimConfig
+from sftjob_contract.config import OptimConfig
 from sftjob_trainer.optim import lr_factor
 
 pytestmark = pytest.mark.unit

@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sftjob_trainer import precision
-from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig
+from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig
 from sftjob_trainer.data import SampleBuilder, SFTDataset
 from sftjob_trainer.batching import collate
 

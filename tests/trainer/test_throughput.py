@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sftjob_trainer.config import DataConfig, LoraConfig, ModelConfig
+from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig
 from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
 from sftjob_trainer.batching import GlobalBatches, collate, split_to, token_groups
 

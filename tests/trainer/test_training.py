@@ -32,7 +32,7 @@ def test_loss_falls_and_export_reproduces_val_loss(assets, tmp_path, lora):
     # The exported model loads as a user would load it and reproduces the last val_loss.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sftjob_trainer.config import DataConfig
+    from sftjob_contract.config import DataConfig
     from sftjob_trainer.data import SampleBuilder, SFTDataset
     from sftjob_trainer.batching import eval_batches
     from sftjob_trainer.loss import ce_sum

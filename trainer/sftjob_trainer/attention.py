@@ -8,7 +8,7 @@ spent on blocks that are masked out anyway.
 cannot run: flash-attention only takes bf16/fp16 inputs on CUDA, so ``auto`` picks it only
 for a bf16 run on a GPU with flash-attn installed; everything else (fp32, CPU, no flash-attn)
 gets ``sdpa_varlen``. An explicit ``flash_attention_2`` with fp32 is refused when the config
-is validated (config.py), an explicit one without CUDA or flash-attn when the model is built.
+is validated (sftjob_contract.config), an explicit one without CUDA or flash-attn when the model is built.
 """
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -26,6 +25,8 @@ from typing import Callable
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from sftjob_contract import layout
+
 from . import dist as dist_utils
 
 log = logging.getLogger(__name__)
@@ -33,10 +34,9 @@ log = logging.getLogger(__name__)
 # One process without a process group is a supported way to run; DCP need not say so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-MARKER = "COMMITTED"
-MANIFEST = "manifest.json"
+MARKER = layout.COMMITTED
+MANIFEST = layout.MANIFEST
 STATE = "trainer_state.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,13 @@ class LocalCheckpointDir:
         self.root = Path(root)
 
     def path(self, step: int) -> Path:
-        return self.root / f"step-{step}"
+        return self.root / layout.step_dir(step)
 
     def steps(self) -> list[int]:
         if not self.root.is_dir():
             return []
-        found = (_STEP_DIR.match(p.name) for p in self.root.iterdir() if p.is_dir())
-        return sorted(int(m.group(1)) for m in found if m)
+        found = (layout.parse_step_dir(p.name) for p in self.root.iterdir() if p.is_dir())
+        return sorted(step for step in found if step is not None)
 
     def is_committed(self, step: int) -> bool:
         return (self.path(step) / MARKER).is_file()

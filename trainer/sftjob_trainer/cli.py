@@ -11,19 +11,20 @@ import os
 import sys
 import time
 
-from .errors import EXIT_PREEMPTED, InvalidConfig, TrainerError
+from sftjob_contract import env as E
+from sftjob_contract import exits
+from sftjob_contract.metrics import LINGER_S
+
+from .errors import InvalidConfig, TrainerError
 
 log = logging.getLogger("sftjob_trainer")
-
-_TERMINATION_DEFAULT = "/dev/termination-log"
-METRICS_LINGER_S = 8.0
 
 
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         row = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
                "msg": record.getMessage()}
-        rank = os.environ.get("RANK")
+        rank = os.environ.get(E.RANK)
         if rank is not None:
             row["rank"] = int(rank)
         if record.exc_info:
@@ -33,17 +34,17 @@ class _JsonFormatter(logging.Formatter):
 
 def setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("SFTJOB_LOG_FORMAT") == "json":
+    if os.environ.get(E.LOG_FORMAT) == "json":
         handler.setFormatter(_JsonFormatter())
     else:
-        rank = os.environ.get("RANK")
-        prefix = f"[rank{rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        rank = os.environ.get(E.RANK)
+        prefix = f"[rank{rank}] " if rank is not None and os.environ.get(E.WORLD_SIZE, "1") != "1" else ""
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     # Non-zero ranks only say what matters; rank 0 speaks for the job.
-    if os.environ.get("RANK", "0") != "0":
+    if os.environ.get(E.RANK, "0") != "0":
         logging.getLogger("sftjob_trainer").setLevel(logging.WARNING)
     for noisy in ("transformers", "peft", "torch.distributed", "urllib3", "botocore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -51,10 +52,10 @@ def setup_logging() -> None:
 
 def write_termination_message(message: str) -> None:
     """One line for `kubectl describe` and the operator; never raises."""
-    path = os.environ.get("SFTJOB_TERMINATION_LOG") or _TERMINATION_DEFAULT
+    path = os.environ.get(E.TERMINATION_LOG) or exits.TERMINATION_LOG
     line = message.replace("\n", " ")[:4000]
     try:
-        if path == _TERMINATION_DEFAULT and not os.access(path, os.W_OK):
+        if path == exits.TERMINATION_LOG and not os.access(path, os.W_OK):
             return
         with open(path, "w") as fh:
             fh.write(line + "\n")
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
     # Imported late so `--help` and config errors answer without loading torch.
-    from .config import ConfigError, load_config
+    from sftjob_contract.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -100,17 +101,17 @@ def run(cfg) -> int:
         trainer = Trainer(cfg, world, stop)
         final = trainer.train()
         if world.is_main:
-            msg = f"Succeeded: model exported to {final}"
+            msg = f"{exits.REASON_SUCCEEDED}: model exported to {final}"
             log.info("%s (%.0fs)", msg, time.time() - t0)
             print(f"model: {final}", flush=True)
             write_termination_message(msg)
         succeeded = True
-        return 0
+        return exits.SUCCEEDED
     except Preempted as err:
         if world.is_main:
-            write_termination_message(f"Preempted: {err}")
+            write_termination_message(f"{exits.REASON_PREEMPTED}: {err}")
         log.warning("stopped after SIGTERM: %s", err)
-        return EXIT_PREEMPTED
+        return exits.PREEMPTED
     except TrainerError as err:
         return _fail(err)
     except Exception as err:  # noqa: BLE001 - every other failure still gets a one-line reason
@@ -119,8 +120,8 @@ def run(cfg) -> int:
     finally:
         if trainer is not None:
             # After success, long enough for one more scrape of the final step and validation
-            # (the operator scrapes every 5 s); never after SIGTERM, whose budget is tight.
-            linger = METRICS_LINGER_S if succeeded and cfg.trainer.metrics_port and world.is_main else 0.0
+            # (the operator scrapes every few seconds); never after SIGTERM, whose budget is tight.
+            linger = LINGER_S if succeeded and cfg.trainer.metrics_port and world.is_main else 0.0
             trainer.close(linger_s=linger)
         dist_utils.close_world()
 

@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sftjob_contract.config import DataConfig
+
 from . import dist as dist_utils
-from .config import DataConfig
 from .errors import InvalidData
 from .parquet import ParquetRows, resolve_files
 

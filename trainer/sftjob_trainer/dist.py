@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sftjob_contract import env as E
+
 
 @dataclass(frozen=True)
 class World:
@@ -27,9 +29,9 @@ class World:
 
 def init_world(timeout_s: float = 1800.0) -> World:
     """Join the torchrun process group when launched by torchrun, else run alone."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    size = int(os.environ.get(E.WORLD_SIZE, "1"))
+    rank = int(os.environ.get(E.RANK, "0"))
+    local_rank = int(os.environ.get(E.LOCAL_RANK, "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

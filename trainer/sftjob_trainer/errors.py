@@ -1,27 +1,26 @@
 """Errors that end a run with a reason the operator can show to the user.
 
-The exit code tells the operator whether retrying can help (see docs/trainer-contract.md):
-configuration and data problems are permanent (exit 2), anything else is exit 1.
+The exit code tells the operator whether retrying can help (sftjob_contract.exits,
+docs/trainer-contract.md): configuration and data problems are permanent, anything else
+is a plain failure.
 """
 from __future__ import annotations
+
+from sftjob_contract import exits
 
 
 class TrainerError(Exception):
     """An error with a one-line reason; ``reason`` is a CamelCase constant."""
 
-    reason = "TrainingError"
-    exit_code = 1
+    reason = exits.REASON_TRAINING_ERROR
+    exit_code = exits.FAILED
 
 
 class InvalidConfig(TrainerError):
-    reason = "InvalidConfig"
-    exit_code = 2
+    reason = exits.REASON_INVALID_CONFIG
+    exit_code = exits.PERMANENT
 
 
 class InvalidData(TrainerError):
-    reason = "InvalidData"
-    exit_code = 2
-
-
-# Exit code for "stopped by SIGTERM after a checkpoint": 128 + SIGTERM, as a shell reports it.
-EXIT_PREEMPTED = 143
+    reason = exits.REASON_INVALID_DATA
+    exit_code = exits.PERMANENT

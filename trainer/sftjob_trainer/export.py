@@ -1,4 +1,4 @@
-"""Hugging Face exports that load and serve as they are.
+"""Hugging Face exports that load and serve as they are (sftjob_contract.layout).
 
 ``hf/final``: a full model with config, generation config and the tokenizer (with its
 chat template); LoRA runs also write ``hf/adapter`` (the PEFT adapter) and, unless
@@ -14,12 +14,15 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from sftjob_contract import layout
+
 log = logging.getLogger(__name__)
 
 
 def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, merge: bool, rank: int,
            base_model_ref: str | None = None) -> Path | None:
-    """Collective (every rank joins the gather); rank 0 writes. Returns the final model dir.
+    """Collective (every rank joins the gather); rank 0 writes the exports under the output
+    directory ``out``. Returns the final model dir.
 
     ``base_model_path`` is where the base model lies on this node (maybe a cache of an
     s3:// model); ``base_model_ref`` is what the user named, recorded in the adapter's
@@ -28,13 +31,12 @@ def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, mer
     full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return None
-    out.mkdir(parents=True, exist_ok=True)
     if not is_lora:
-        final = _fresh(out / "final")
+        final = _fresh(out / layout.HF_FINAL)
         model.save_pretrained(final, state_dict=full_sd, safe_serialization=True)
         tokenizer.save_pretrained(final)
         return final
-    adapter = _fresh(out / "adapter")
+    adapter = _fresh(out / layout.HF_ADAPTER)
     model.save_pretrained(adapter, state_dict=full_sd, safe_serialization=True)
     tokenizer.save_pretrained(adapter)
     if base_model_ref:
@@ -51,7 +53,7 @@ def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, mer
 
     base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    final = _fresh(out / "final")
+    final = _fresh(out / layout.HF_FINAL)
     merged.save_pretrained(final, safe_serialization=True)
     tokenizer.save_pretrained(final)
     return final

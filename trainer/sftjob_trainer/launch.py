@@ -20,9 +20,8 @@ import sys
 import tempfile
 import time
 
-from .errors import EXIT_PREEMPTED
-
-_PERMANENT = ("InvalidConfig", "InvalidData")
+from sftjob_contract import command, exits
+from sftjob_contract import env as E
 
 
 def master_addr(torchrun_args: list[str]) -> str | None:
@@ -51,28 +50,28 @@ def wait_resolvable(host: str, timeout_s: float, interval_s: float = 1.0) -> boo
 
 
 def build_command(torchrun_args: list[str], trainer_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "sftjob_trainer", *trainer_args]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", command.TRAINER_MODULE, *trainer_args]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" in argv:
-        cut = argv.index("--")
+    if command.SEPARATOR in argv:
+        cut = argv.index(command.SEPARATOR)
         torchrun_args, trainer_args = argv[:cut], argv[cut + 1 :]
     else:
         torchrun_args, trainer_args = [], argv
     env = dict(os.environ)
-    if "SFTJOB_STOP_TIMEOUT_S" in env:
-        env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(float(env["SFTJOB_STOP_TIMEOUT_S"]))))
+    if E.STOP_TIMEOUT_S in env:
+        env.setdefault(E.TORCH_ELASTIC_SHUTDOWN_TIMEOUT, str(int(float(env[E.STOP_TIMEOUT_S]))))
     # The trainer processes write their one-line reason here; the launcher copies it to
     # the pod's termination log after choosing the exit code.
-    final_log = env.get("SFTJOB_TERMINATION_LOG") or "/dev/termination-log"
+    final_log = env.get(E.TERMINATION_LOG) or exits.TERMINATION_LOG
     fd, worker_log = tempfile.mkstemp(prefix="sftjob-termination-")
     os.close(fd)
-    env["SFTJOB_TERMINATION_LOG"] = worker_log
+    env[E.TERMINATION_LOG] = worker_log
 
     master = master_addr(torchrun_args)
-    if master and not wait_resolvable(master, float(env.get("SFTJOB_RENDEZVOUS_TIMEOUT_S", "300"))):
+    if master and not wait_resolvable(master, float(env.get(E.RENDEZVOUS_TIMEOUT_S, "300"))):
         print(f"sftjob launch: {master} still does not resolve; starting torchrun anyway", file=sys.stderr)
     proc = subprocess.Popen(build_command(torchrun_args, trainer_args), env=env)
     stopped = []
@@ -93,15 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         pass
     if message:
         try:
-            if final_log != "/dev/termination-log" or os.access(final_log, os.W_OK):
+            if final_log != exits.TERMINATION_LOG or os.access(final_log, os.W_OK):
                 with open(final_log, "w") as fh:
                     fh.write(message + "\n")
         except OSError:
             pass
     if stopped:
-        return EXIT_PREEMPTED
-    if code != 0 and message.startswith(_PERMANENT):
-        return 2
+        return exits.PREEMPTED
+    if code != 0 and message.partition(":")[0] in exits.PERMANENT_REASONS:
+        return exits.PERMANENT
     return code
 
 

@@ -1,6 +1,7 @@
 """Training metrics: one JSON line per step/validation, mirrored on a Prometheus endpoint.
 
-Only rank 0 writes; every value it writes is already reduced over all ranks.
+Only rank 0 writes; every value it writes is already reduced over all ranks. The metric
+names are the contract's (sftjob_contract.metrics): the operator scrapes some of them.
 """
 from __future__ import annotations
 
@@ -11,29 +12,31 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sftjob_contract import metrics as M
+
 log = logging.getLogger(__name__)
 
 _GAUGES = {
-    "step": ("sftjob_trainer_step", "Optimizer steps completed"),
-    "total_steps": ("sftjob_trainer_total_steps", "Optimizer steps this run will take"),
-    "epoch": ("sftjob_trainer_epoch", "Current epoch (0-based)"),
-    "loss": ("sftjob_trainer_loss", "Training loss of the last step (mean over target tokens)"),
-    "val_loss": ("sftjob_trainer_val_loss", "Loss on the validation set at the last validation"),
-    "lr": ("sftjob_trainer_learning_rate", "Learning rate of the last step"),
-    "grad_norm": ("sftjob_trainer_grad_norm", "Global gradient norm before clipping"),
-    "tokens_per_s": ("sftjob_trainer_tokens_per_second", "Real (non-pad) tokens per second, all ranks"),
-    "mfu": ("sftjob_trainer_mfu", "Model FLOPs utilisation of the last step (0..1)"),
-    "last_checkpoint_step": ("sftjob_trainer_last_checkpoint_step", "Step of the newest committed checkpoint"),
-    "checkpoint_save_seconds": ("sftjob_trainer_checkpoint_save_seconds", "Seconds training was blocked by the last checkpoint"),
-    "last_checkpoint_time": ("sftjob_trainer_last_checkpoint_timestamp_seconds",
+    "step": (M.STEP, "Optimizer steps completed"),
+    "total_steps": (M.TOTAL_STEPS, "Optimizer steps this run will take"),
+    "epoch": (M.EPOCH, "Current epoch (0-based)"),
+    "loss": (M.LOSS, "Training loss of the last step (mean over target tokens)"),
+    "val_loss": (M.VAL_LOSS, "Loss on the validation set at the last validation"),
+    "lr": (M.LEARNING_RATE, "Learning rate of the last step"),
+    "grad_norm": (M.GRAD_NORM, "Global gradient norm before clipping"),
+    "tokens_per_s": (M.TOKENS_PER_SECOND, "Real (non-pad) tokens per second, all ranks"),
+    "mfu": (M.MFU, "Model FLOPs utilisation of the last step (0..1)"),
+    "last_checkpoint_step": (M.LAST_CHECKPOINT_STEP, "Step of the newest committed checkpoint"),
+    "checkpoint_save_seconds": (M.CHECKPOINT_SAVE_SECONDS, "Seconds training was blocked by the last checkpoint"),
+    "last_checkpoint_time": (M.LAST_CHECKPOINT_TIMESTAMP_SECONDS,
                              "Unix time of the newest checkpoint (checkpoint age = time() - this)"),
 }
 # Gauges that have no value until the first step measures them: NaN, never a fake 0.
 _UNSET_UNTIL_MEASURED = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "checkpoint_save_seconds",
                          "last_checkpoint_time")
 _COUNTERS = {
-    "tokens": ("sftjob_trainer_tokens", "Real (non-pad) tokens processed"),
-    "skipped": ("sftjob_trainer_skipped_steps", "Steps skipped for a non-finite gradient norm"),
+    "tokens": (M.TOKENS, "Real (non-pad) tokens processed"),
+    "skipped": (M.SKIPPED_STEPS, "Steps skipped for a non-finite gradient norm"),
 }
 
 

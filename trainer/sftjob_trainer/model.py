@@ -32,8 +32,9 @@ import logging
 import torch
 from torch import nn
 
+from sftjob_contract.config import LoraConfig, ModelConfig
+
 from .attention import pick_attention, register_attention
-from .config import LoraConfig, ModelConfig
 from .dist import World
 from .errors import InvalidConfig
 from .loss import install_loss_head

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .config import OptimConfig
+from sftjob_contract.config import OptimConfig
 
 
 def build_optimizer(params, cfg: OptimConfig, fused: bool) -> torch.optim.Optimizer:

@@ -1,14 +1,16 @@
 """The run's output location: a local directory or an s3:// prefix, one interface.
 
 Files are always produced on local disk first (``local``); for an s3:// output they are
-then published under the same relative path, so both layouts are identical:
-``metrics.jsonl``, ``checkpoints/step-<N>/``, ``hf/final``, ``hf/adapter``.
+then published under the same relative path, so both layouts are identical
+(sftjob_contract.layout): ``metrics.jsonl``, ``checkpoints/step-<N>/``, ``hf/final``, ``hf/adapter``.
 """
 from __future__ import annotations
 
 import logging
 import shutil
 from pathlib import Path
+
+from sftjob_contract import layout
 
 from .checkpoint import LocalCheckpoints, atomic_write
 from .storage import S3Prefix, is_s3, local_root
@@ -30,7 +32,7 @@ class Outputs:
         else:
             self.local = Path(output_dir)
             self.s3 = None
-            self.checkpoints = LocalCheckpoints(self.local / "checkpoints", rank, keep)
+            self.checkpoints = LocalCheckpoints(self.local / layout.CHECKPOINTS, rank, keep)
 
     def location(self, rel: str) -> str:
         return f"{self.uri}/{rel}"
@@ -40,8 +42,8 @@ class Outputs:
     def get(self, name: str) -> bytes | None:
         try:
             if self.remote:
-                return self.s3.get_bytes(f"cache/{name}")
-            path = self.local / "cache" / name
+                return self.s3.get_bytes(f"{layout.CACHE}/{name}")
+            path = self.local / layout.CACHE / name
             return path.read_bytes() if path.exists() else None
         except Exception as err:  # noqa: BLE001 - without the cache the scan just runs again
             log.warning("cannot read cache/%s (%s); recomputing it", name, err)
@@ -50,9 +52,9 @@ class Outputs:
     def put(self, name: str, data: bytes) -> None:
         try:
             if self.remote:
-                self.s3.put_bytes(f"cache/{name}", data)
+                self.s3.put_bytes(f"{layout.CACHE}/{name}", data)
                 return
-            path = self.local / "cache" / name
+            path = self.local / layout.CACHE / name
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write(path, data)
         except Exception as err:  # noqa: BLE001
@@ -62,14 +64,14 @@ class Outputs:
         """Continue the remote metrics.jsonl after a restart instead of starting a new one."""
         if not (self.remote and self.rank == 0):
             return
-        text = self.s3.get_text("metrics.jsonl")
-        path = self.local / "metrics.jsonl"
+        text = self.s3.get_text(layout.METRICS_FILE)
+        path = self.local / layout.METRICS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text or "")
 
     def publish_metrics(self) -> None:
-        if self.remote and self.rank == 0 and (self.local / "metrics.jsonl").exists():
-            self.s3.upload_file(self.local / "metrics.jsonl", "metrics.jsonl")
+        if self.remote and self.rank == 0 and (self.local / layout.METRICS_FILE).exists():
+            self.s3.upload_file(self.local / layout.METRICS_FILE, layout.METRICS_FILE)
 
     def publish_dir(self, rel: str) -> str:
         """Upload ``local/rel`` (rank 0's export) and return its final location."""

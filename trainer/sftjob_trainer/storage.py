@@ -17,6 +17,8 @@ from urllib.parse import urlparse
 
 from pyarrow import fs as pafs
 
+from sftjob_contract import env as E
+
 log = logging.getLogger(__name__)
 
 
@@ -164,7 +166,7 @@ class S3Prefix:
 
 def local_root(output_dir: str) -> Path:
     """Node-local scratch space for an s3:// output (staging checkpoints and exports)."""
-    base = Path(os.environ.get("SFTJOB_LOCAL_DIR") or "/tmp/sftjob")
+    base = Path(os.environ.get(E.LOCAL_DIR) or "/tmp/sftjob")
     return base / hashlib.sha256(output_dir.encode()).hexdigest()[:16]
 
 
@@ -197,5 +199,5 @@ def local_model_path(path: str) -> str:
     """A local directory holding the model: ``path`` itself, or a per-node cache of an s3:// prefix."""
     if not is_s3(path):
         return path
-    cache = Path(os.environ.get("SFTJOB_MODEL_CACHE") or "/tmp/sftjob-models")
+    cache = Path(os.environ.get(E.MODEL_CACHE) or "/tmp/sftjob-models")
     return str(fetch_once(path, cache / hashlib.sha256(path.encode()).hexdigest()[:16]))

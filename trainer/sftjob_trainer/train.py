@@ -9,9 +9,11 @@ import time
 
 import torch
 
+from sftjob_contract import layout
+from sftjob_contract.config import SFTConfig
+
 from . import checkpoint as ckpt
 from . import dist as dist_utils
-from .config import SFTConfig
 from .data import SampleBuilder, SFTDataset
 from .batching import GlobalBatches, eval_batches
 from .dist import World
@@ -100,7 +102,7 @@ class Trainer:
         # Clock of trainer.save_interval_s: the last committed checkpoint, or now (rank 0's counts).
         self.last_save_time = time.monotonic()
         # Started after the resume so a scrape never sees step 0 of a resumed run.
-        self.metrics = Metrics(self.output / "metrics.jsonl" if world.is_main else None,
+        self.metrics = Metrics(self.output / layout.METRICS_FILE if world.is_main else None,
                                cfg.trainer.metrics_port if world.is_main else 0)
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
@@ -275,12 +277,12 @@ class Trainer:
     def export(self) -> str:
         unwrap(self.model).config.use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
-        export(self.model, self.tokenizer, self.output / "hf", self.model_path, lora, self.cfg.lora.merge_on_export,
+        export(self.model, self.tokenizer, self.output, self.model_path, lora, self.cfg.lora.merge_on_export,
                self.world.rank, base_model_ref=str(self.cfg.model.path))
         if lora:
-            self.outputs.publish_dir("hf/adapter")
-        final = "hf/final" if (not lora or self.cfg.lora.merge_on_export) else "hf/adapter"
-        if final == "hf/final":
+            self.outputs.publish_dir(layout.HF_ADAPTER)
+        final = layout.exported_model(lora, self.cfg.lora.merge_on_export)
+        if final == layout.HF_FINAL:
             self.outputs.publish_dir(final)
         self.outputs.publish_metrics()
         dist_utils.barrier()

@@ -1,8 +1,8 @@
 """The trainer's typed configuration tree.
 
-This module is the one leaf both sides share: the trainer loads it from YAML plus
-dotted overrides, and the operator embeds its JSON schema into the SFTJob CRD. It must
-therefore import nothing but pydantic and the standard library (no torch).
+Part of the contract (see the package docstring): the trainer loads it from YAML plus
+dotted overrides, and the operator embeds its JSON schema into the SFTJob CRD and
+validates the config it derives from a spec against it.
 
 Every field carries a description because the CRD's descriptions are what
 `kubectl explain` shows; defaults live here so that the CRD and the trainer agree.

@@ -1,0 +1,27 @@
+"""How a trainer pod ends: its exit code and the one-line termination message.
+
+The operator's failure policy reads both: the exit code says whether a retry can help,
+the message `<Reason>: <detail>` says why (docs/trainer-contract.md has the table).
+"""
+from __future__ import annotations
+
+import signal
+
+SUCCEEDED = 0
+FAILED = 1       # any other error: a gang restart can help
+PERMANENT = 2    # invalid config or data: the same spec fails again, so no retry
+SIGNAL_BASE = 128  # 128 + N: ended by signal N, as a shell reports it
+PREEMPTED = SIGNAL_BASE + signal.SIGTERM  # stopped by SIGTERM after a checkpoint (143)
+
+# Reasons, the word before ": " in the termination message.
+REASON_INVALID_CONFIG = "InvalidConfig"
+REASON_INVALID_DATA = "InvalidData"
+REASON_TRAINING_ERROR = "TrainingError"
+REASON_PREEMPTED = "Preempted"
+REASON_SUCCEEDED = "Succeeded"
+# Failures the trainer names; the permanent ones exit PERMANENT.
+PERMANENT_REASONS = frozenset({REASON_INVALID_CONFIG, REASON_INVALID_DATA})
+FAILURE_REASONS = PERMANENT_REASONS | {REASON_TRAINING_ERROR}
+
+# Kubernetes' default terminationMessagePath; env.TERMINATION_LOG overrides it.
+TERMINATION_LOG = "/dev/termination-log"

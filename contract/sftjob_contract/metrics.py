@@ -1,0 +1,28 @@
+"""The Prometheus metrics rank 0 serves at METRICS_PATH and the operator scrapes.
+
+Gauges without a measurement yet read NaN, never 0. Counters are registered under the
+names below and exposed with the `_total` suffix Prometheus adds.
+"""
+from __future__ import annotations
+
+METRICS_PATH = "/metrics"
+# The operator reads rank 0's endpoint this often; after a successful run rank 0 keeps
+# serving for LINGER_S, longer than one interval, so the final values reach the status.
+SCRAPE_INTERVAL_S = 5.0
+LINGER_S = 8.0
+
+STEP = "sftjob_trainer_step"
+TOTAL_STEPS = "sftjob_trainer_total_steps"
+EPOCH = "sftjob_trainer_epoch"
+LOSS = "sftjob_trainer_loss"
+VAL_LOSS = "sftjob_trainer_val_loss"
+LEARNING_RATE = "sftjob_trainer_learning_rate"
+GRAD_NORM = "sftjob_trainer_grad_norm"
+TOKENS_PER_SECOND = "sftjob_trainer_tokens_per_second"
+MFU = "sftjob_trainer_mfu"
+LAST_CHECKPOINT_STEP = "sftjob_trainer_last_checkpoint_step"
+CHECKPOINT_SAVE_SECONDS = "sftjob_trainer_checkpoint_save_seconds"
+LAST_CHECKPOINT_TIMESTAMP_SECONDS = "sftjob_trainer_last_checkpoint_timestamp_seconds"
+
+TOKENS = "sftjob_trainer_tokens"                 # counter: sftjob_trainer_tokens_total
+SKIPPED_STEPS = "sftjob_trainer_skipped_steps"   # counter: sftjob_trainer_skipped_steps_total
