@@ -14,7 +14,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .config import DataConfig
+from sftjob_contract.config import DataConfig
+
 from .data import IGNORE, Sample, SFTDataset
 from .errors import InvalidData
 
