@@ -76,7 +76,7 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
         log(f"cluster already up ({cfg.state_dir})")
         # the images follow the checkout: rebuilt when their inputs changed, re-imported then
         for i in range(len(cfg.nodes)):
-            images.load(R.containerd_address(cfg, i), names=cfg.node_images)
+            images.load(R.containerd_address(cfg, i), names=cfg.node_images, prune=True)
         stale = stale_components(cfg)
         if stale:
             log(f"WARNING: {', '.join(stale)} run(s) with an older configuration or code than this checkout; "
@@ -106,7 +106,7 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
             # containers a crashed earlier cluster left in the node's (persistent) store
             R.stop_pods(cfg, i)
             # the images the pods run, into this node's containerd (never pulled: no registry)
-            images.load(R.containerd_address(cfg, i), names=cfg.node_images)
+            images.load(R.containerd_address(cfg, i), names=cfg.node_images, prune=True)
         # A running but (momentarily) unhealthy component is waited for, never restarted: on a
         # loaded machine a slow health check must not take down a cluster that others use.
         if not proc.alive(proc.read_pid(cfg, name), proc.marker(cfg, name)):

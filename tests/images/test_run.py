@@ -288,3 +288,32 @@ def test_load_sends_only_the_layers_a_node_lacks(loaded, built, tmp_path):
         assert res.returncode == 0 and res.stdout == "65532 top layer\n", res.stdout + res.stderr
     finally:
         subprocess.run(["ctr", "--address", address, "-n", "k8s.io", "images", "rm", ref], capture_output=True)
+
+
+def test_a_cluster_load_removes_earlier_builds_and_their_tags(loaded, built, tmp_path):
+    """An earlier build of a node image (same ref, other content) and another tag of it are
+    removed by a pruning load, with their layers: otherwise every change of the trainer's
+    requirements leaves another 5 GB on each node's disk. A plain load removes nothing."""
+    address, _ = loaded
+    op = built["operator"]
+    archive = tmp_path / "earlier.tar"
+    old_id, _ = derived_archive(op.archive, archive, op.ref, {"earlier.txt": b"an earlier build\n"})
+    earlier = dataclasses.replace(op, archive=archive, image_id=old_id, size=archive.stat().st_size)
+    image_load._import(address, "k8s.io", earlier, None)
+    old_manifest = image_load._ready_images(address, "k8s.io")[op.ref]
+    tag = f"registry.example/sftjob/operator:{uuid.uuid4().hex[:8]}"
+    ctr(address, "images", "tag", op.ref, tag)
+    blobs_before = set(ctr(address, "content", "ls", "-q").split())
+    assert old_manifest in blobs_before
+
+    assert images.load(address, names=["operator"]) == {"operator": "imported"}
+    assert tag in ctr(address, "images", "ls", "-q").split()  # no prune: the tag stays
+
+    ctr(address, "images", "tag", "--force", tag, op.ref)  # back to the earlier build under its ref
+    assert images.load(address, prune=True)["operator"] == "imported"
+    refs = ctr(address, "images", "ls", "-q").split()
+    assert tag not in refs and op.ref in refs
+    assert image_load._config_digest(address, "k8s.io", image_load._ready_images(address, "k8s.io")[op.ref]) == op.image_id
+    assert old_manifest not in set(ctr(address, "content", "ls", "-q").split())  # freed, not just untagged
+    # the other node images were not touched
+    assert {built[n].ref for n in images.NODE_IMAGES} <= set(refs)

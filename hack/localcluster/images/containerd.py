@@ -116,15 +116,41 @@ def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None
     return sent
 
 
+def prune_other_images(address: str, namespace: str, keep: set[str]) -> list[str]:
+    """Remove every image whose config digest is not in `keep` (image IDs), whatever its ref:
+    earlier builds under the same ref, the kubelet's `sha256:<id>` records of them, tags a
+    test gave them. Removal is synchronous (`--sync`), so their layers and snapshots are
+    freed before anything is imported. Snapshots that a container still uses stay until it
+    is removed. Returns the refs removed."""
+    stale = []
+    for line in _ctr(address, namespace, "images", "ls").splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 3 and _config_digest(address, namespace, fields[2]) not in keep:
+            stale.append(fields[0])
+    if stale:
+        _ctr(address, namespace, "images", "rm", "--sync", *stale)
+    return stale
+
+
 def load(address: str, namespace: str = "k8s.io", names: Iterable[str] = NODE_IMAGES, *,
-         refs: Mapping[str, str] | None = None, snapshotter: str | None = None) -> dict[str, str]:
+         refs: Mapping[str, str] | None = None, snapshotter: str | None = None,
+         prune: bool = False) -> dict[str, str]:
     """Import the images (building what is missing or stale first) into the containerd that
     listens on `address`, in `namespace` (the CRI's is k8s.io), unpacked for its default
     snapshotter (or `snapshotter`). An image it already holds, unpacked, under the same ref
-    with the same config digest is skipped. Returns name -> "imported" or "present"."""
+    with the same config digest is skipped. Returns name -> "imported" or "present".
+
+    `prune`: the containerd holds nothing but these images (a local cluster's node), so
+    every other image in `namespace` is an earlier build and is removed first: without
+    that, each change of the trainer's requirements would leave another 5 GB behind on
+    every node."""
     need("ctr")
     built = build(names, refs=refs)
     started = time.monotonic()
+    if prune:
+        removed = prune_other_images(address, namespace, {img.image_id for img in built.values()})
+        if removed:
+            log(f"removed {len(removed)} earlier image(s) from {address}: {', '.join(removed)}")
     ready = _ready_images(address, namespace, snapshotter)
     result = {}
     for name, img in built.items():
