@@ -49,7 +49,7 @@ def demo(cluster, tmp_path_factory):
            "DEMO_KEEP_PROMETHEUS": "1", "DEMO_TIMEOUT": "1200"}
     prom = promlib.Prometheus(workdir / "prometheus", port)
     try:
-        proc = subprocess.run([sys.executable, str(REPO / "demo" / "run.py")], env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "demo.run"], env=env, capture_output=True,
                               text=True, timeout=2000, cwd=REPO)
         print(proc.stdout[-6000:])
         summary_path = workdir / "summary.json"
