@@ -29,7 +29,8 @@ PREFIXES = (("model", "models/tiny"), ("data", "data"))
 
 
 def have_local_assets(root: Path) -> bool:
-    return (root / "model" / "config.json").is_file() and (root / "data" / "chat_val.parquet").is_file()  
+    """Complete assets under ``root``: chat_val.parquet is the last file sftjob_trainer.assets writes."""
+    return (root / "model" / "config.json").is_file() and (root / "data" / "chat_val.parquet").is_file()
 
 
 def make_local_assets(root: Path) -> Path:
