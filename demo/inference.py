@@ -17,10 +17,7 @@ class Answer:
     expected: str
     base: str
     fine_tuned: str
-
-    @property
-    def correct(self) -> bool:
-        return self.fine_tuned == self.expected
+    correct: bool  # the fine-tuned answer is the expected one, as the tokenizer writes it
 
 
 def load(path: Path) -> tuple[Any, Any]:
@@ -63,7 +60,16 @@ def response_loss(tok, model, rows: list[dict[str, str]]) -> float:
     return total / max(count, 1)
 
 
+def as_generated(tok, text: str) -> str:
+    """``text`` as the tokenizer decodes it (the data's "green ." comes back as "green.")."""
+    return tok.decode(tok(text, add_special_tokens=False)["input_ids"], skip_special_tokens=True).strip()
+
+
 def answers(base: tuple[Any, Any], tuned: tuple[Any, Any], rows: list[dict[str, str]]) -> list[Answer]:
     """Each row's prompt answered by the base and the fine-tuned model."""
-    return [Answer(r["prompt"], r["response"], generate(*base, r["prompt"]), generate(*tuned, r["prompt"]))
-            for r in rows]
+    out = []
+    for r in rows:
+        t = generate(*tuned, r["prompt"])
+        out.append(Answer(r["prompt"], r["response"], generate(*base, r["prompt"]), t,
+                          correct=t == as_generated(tuned[0], r["response"])))
+    return out

@@ -4,13 +4,14 @@ to the base model (demo.inference)."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict
 
 from sftjob_trainer.storage import S3Prefix
 
 from demo import inference
 from demo.context import Ctx, shown, status
 
-SHOWN_PROMPTS = 3
+SHOWN_PROMPTS = 3  # the first validation rows, printed with both models' answers
 
 
 def download(uri: str, dest) -> list[str]:
@@ -40,13 +41,16 @@ def stage_model(ctx: Ctx, job: dict) -> None:
     loss_base, loss_tuned = inference.response_loss(*base, rows), inference.response_loss(*tuned, rows)
     out.say(f"loaded with AutoModelForCausalLM.from_pretrained; loss on the {len(rows)} validation responses: "
             f"base {loss_base:.3f} -> fine-tuned {loss_tuned:.3f}")
-    answers = inference.answers(base, tuned, rows[:SHOWN_PROMPTS])
-    for ans in answers:
+    answers = inference.answers(base, tuned, rows)
+    right = sum(a.correct for a in answers)
+    out.say(f"the fine-tuned model answers {right}/{len(rows)} validation prompts exactly; the first "
+            f"{SHOWN_PROMPTS}:")
+    for ans in answers[:SHOWN_PROMPTS]:
         out.say(f"prompt:      {ans.prompt}")
         out.say(f"  expected:    {ans.expected}")
         out.say(f"  base model:  {ans.base or '(nothing)'}")
         out.say(f"  fine-tuned:  {ans.fine_tuned or '(nothing)'}   {'PASS' if ans.correct else 'FAIL'}")
-    samples = [{"prompt": s.prompt, "expected": s.expected, "base": s.base, "fine_tuned": s.fine_tuned,
-                "correct": s.correct} for s in answers]
+    samples = [asdict(a) for a in answers[:SHOWN_PROMPTS]]
     ctx.summary.update(model_loads=True, model_dir=str(dest), generation=samples[0], generations=samples,
+                       val_answers={"correct": right, "prompts": len(rows)},
                        val_response_loss={"base": loss_base, "fine_tuned": loss_tuned})

@@ -21,13 +21,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from demo import prom as promlib
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "sftjob-operator" / "dashboards" / "sftjob.json"
 CRD_SOURCE = REPO / "crds" / "sftjob.io_sftjobs.yaml"
-STEPS = int(os.environ.get("DEMO_TEST_STEPS", "40"))
+EXAMPLE_STEPS = yaml.safe_load((REPO / "examples" / "sftjob.yaml").read_text())["spec"]["training"]["totalTrainingSteps"]
+STEPS = int(os.environ.get("DEMO_TEST_STEPS", str(EXAMPLE_STEPS)))
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -87,6 +89,8 @@ def test_demo_runs_end_to_end(demo, cluster):
     # The gang resumed from a committed checkpoint, not from scratch.
     assert s["preemption"]["resume_step"] >= s["preemption"]["checkpoint_step"] > 0, s["preemption"]
     assert "resumed from" in s["resume_line"]
+    if STEPS == EXAMPLE_STEPS:  # the example's whole run: the prompts shown are answered (as test_demo_answers checks)
+        assert all(g["correct"] for g in s["generations"]), s["generations"]
 
 
 def test_pods_run_the_locally_built_images_as_their_non_root_users(demo):
