@@ -257,7 +257,8 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
             checks.append(f"{precision}: peak RSS ours {mine:.0f} MiB vs TRL (lowest mode) {theirs:.0f} MiB "
                           f"{'PASS' if mine <= theirs else 'FAIL'}")
         rel = max(abs(r["flops_trainer"] / r["flops_bench_formula"] - 1) for r in ours)
-        checks.append(f"{precision}: FLOPs the trainer counted vs its formula on the bench's samples: max rel. diff {rel:.1e} "
+        checks.append(f"{precision}: FLOPs the trainer counted vs its formula on the bench's samples: "
+                      f"max rel. diff {rel:.1e} "
                       f"{'PASS' if rel < 1e-6 else 'FAIL'}")
     return "\n".join(lines), checks
 

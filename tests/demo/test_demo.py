@@ -28,7 +28,8 @@ from demo import prom as promlib
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "sftjob-operator" / "dashboards" / "sftjob.json"
 CRD_SOURCE = REPO / "crds" / "sftjob.io_sftjobs.yaml"
-EXAMPLE_STEPS = yaml.safe_load((REPO / "examples" / "sftjob.yaml").read_text())["spec"]["training"]["totalTrainingSteps"]
+EXAMPLE = yaml.safe_load((REPO / "examples" / "sftjob.yaml").read_text())
+EXAMPLE_STEPS = EXAMPLE["spec"]["training"]["totalTrainingSteps"]
 STEPS = int(os.environ.get("DEMO_TEST_STEPS", str(EXAMPLE_STEPS)))
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(2400)]
