@@ -5,8 +5,9 @@
 Builds a random Llama-shaped model of about ``--params`` million parameters (saved with
 save_pretrained, loaded by the trainer like any user model), fine-tunes it fully for a few
 steps on the tiny assets with a checkpoint every step, and reports from the trainer's own
-log: the blocking part of each save (training waits), the total until the checkpoint is
-committed, and the time from SIGTERM to the process exit (stop checkpoint included).
+log: the blocking part of each save (training waits: the copy of the shards to host
+memory), the total until the checkpoint is committed (shards written, uploaded for s3://),
+and the time from SIGTERM to the process exit (stop checkpoint included).
 For an s3:// output the AWS_* variables must point at the store (e.g. `source .cluster/env`).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 WRITTEN = re.compile(r"checkpoint step-(\d+) written in ([\d.]+)s")
-COMMITTED = re.compile(r"checkpoint .*step-(\d+) committed \(\d+ files, upload ([\d.]+)s\)")
+COMMITTED = re.compile(r"checkpoint .*step-(\d+) committed \(\d+ files, ([\d.]+)s after the save\)")
 
 
 def make_model(out: Path, params_m: int, assets: Path) -> None:
@@ -58,7 +59,7 @@ def report(name: str, log: str) -> None:
     written = {int(s): float(t) for s, t in WRITTEN.findall(log)}
     committed = {int(s): float(t) for s, t in COMMITTED.findall(log)}
     for step, blocked in sorted(written.items()):
-        total = f"{blocked + committed[step]:.2f}s (+{committed[step]:.2f}s upload in the background)" if step in committed else "-"
+        total = f"{blocked + committed[step]:.2f}s (+{committed[step]:.2f}s in the background)" if step in committed else "-"
         print(f"  {name} step-{step}: blocking {blocked:.2f}s, total {total}")
 
 

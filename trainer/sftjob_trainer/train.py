@@ -16,6 +16,7 @@ from .data import GlobalBatches, SampleBuilder, SFTDataset, eval_batches
 from .dist import World
 from .errors import InvalidConfig
 from .export import export
+from .layout import HF, HF_ADAPTER, HF_FINAL
 from .loss import ce_sum
 from .metrics import Metrics, step_flops
 from .model import attention_dims, build_model, matmul_params
@@ -58,9 +59,8 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.cfg, self.world, self.stop = cfg, world, stop
-        self.outputs = Outputs(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
-                               cfg.trainer.upload_timeout_s)
-        self.output = self.outputs.local
+        self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
+                                    cfg.trainer.upload_timeout_s)
         try:
             self.model_path = model_path = local_model_path(cfg.model.path)
         except Exception as err:  # noqa: BLE001 - any failure to fetch the model is a config problem
@@ -98,7 +98,7 @@ class Trainer:
         # Clock of trainer.save_interval_s: the last committed checkpoint, or now (rank 0's counts).
         self.last_save_time = time.monotonic()
         # Started after the resume so a scrape never sees step 0 of a resumed run.
-        self.metrics = Metrics(self.output / "metrics.jsonl" if world.is_main else None,
+        self.metrics = Metrics(self.outputs.metrics_path if world.is_main else None,
                                cfg.trainer.metrics_port if world.is_main else 0)
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
@@ -141,7 +141,7 @@ class Trainer:
         self.last_committed = self.state.step
         self.last_save_time = time.monotonic()
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
-                 "" if final or not self.outputs.remote else " (uploading in the background)")
+                 "" if final else " (committing in the background)")
         self.metrics.gauge(checkpoint_save_seconds=blocked)
         self.outputs.publish_metrics()
 
@@ -274,19 +274,14 @@ class Trainer:
         inner = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         inner.config.use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
-        export(self.model, self.tokenizer, self.output / "hf", self.model_path, lora, self.cfg.lora.merge_on_export,
-               self.world.rank, base_model_ref=str(self.cfg.model.path))
-        if lora:
-            self.outputs.publish_dir("hf/adapter")
-        final = "hf/final" if (not lora or self.cfg.lora.merge_on_export) else "hf/adapter"
-        if final == "hf/final":
-            self.outputs.publish_dir(final)
+        self.outputs.write_dir(HF, lambda d: export(self.model, self.tokenizer, d, self.model_path, lora,
+                                                    self.cfg.lora.merge_on_export, self.world.rank,
+                                                    base_model_ref=str(self.cfg.model.path)))
         self.outputs.publish_metrics()
-        dist_utils.barrier()
-        return self.outputs.location(final)
+        return self.outputs.location(HF_FINAL if (not lora or self.cfg.lora.merge_on_export) else HF_ADAPTER)
 
     def close(self, linger_s: float = 0.0) -> None:
-        self.checkpoints.wait(raise_errors=False)
+        self.checkpoints.close()
         for ds in (self.train_ds, self.val_ds):
             if ds is not None:
                 ds.close()
