@@ -63,11 +63,18 @@ def report(name: str, log: str) -> None:
         print(f"  {name} step-{step}: blocking {blocked:.2f}s, total {total}")
 
 
+def keep_log(logs: Path | None, name: str, text: str) -> None:
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / name).write_text(text)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=int, default=500, help="model size in millions of parameters")
     ap.add_argument("--s3", help="also write checkpoints to this s3:// prefix")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--logs", type=Path, help="also keep the trainer's logs in this directory")
     a = ap.parse_args()
     from sftjob_trainer.assets import make_assets
 
@@ -81,9 +88,11 @@ def main() -> int:
         outs = [("local", str(tmp / "out"))] + ([("s3", a.s3.rstrip("/") + f"/ckpt-bench-{int(time.time())}")] if a.s3 else [])
         for name, out in outs:
             log, _ = run(base + [f"trainer.output_dir={out}", f"trainer.total_training_steps={a.steps}"])
+            keep_log(a.logs, f"{name}-saves.log", log)
             report(name, log)
             log, took = run(base + [f"trainer.output_dir={out}-sig", "trainer.total_training_steps=1000",
                                     "trainer.save_freq=0"], sigterm_after_step=2)
+            keep_log(a.logs, f"{name}-sigterm.log", log)
             print(f"  {name}: SIGTERM at step 2 -> exit in {took:.2f}s (stop checkpoint included)")
     return 0
 

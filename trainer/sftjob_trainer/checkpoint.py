@@ -26,7 +26,9 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from .layout import CHECKPOINTS, COMMITTED, LATEST, MANIFEST, RANK_REPORTS, TRAINER_STATE, step_dir
@@ -62,7 +64,16 @@ def _options(strict: bool = True) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
-def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, group=None) -> Future:
+def host_stager() -> DefaultStager:
+    """Copies shards into host buffers kept from one save to the next (pinned when a GPU
+    is there), so only the first save pays for allocating them. A buffer is reused only
+    after the previous save's write has finished (``Checkpointer.save`` waits for it)."""
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stager: DefaultStager,
+                group=None) -> Future:
     """Collective: copy this rank's shards to host memory (the only blocking part) and
     write them into ``d`` in a background thread; the future ends when every rank's
     shards are on disk. ``group`` must be a CPU (gloo) group that training does not use,
@@ -70,7 +81,8 @@ def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, group
     if rank == 0:
         atomic_write(d / TRAINER_STATE, json.dumps(asdict(state), indent=1))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d), process_group=group)
+    return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d), process_group=group,
+                          async_stager=stager)
 
 
 def load_dir(d: Path, model, optimizer) -> TrainerState:
@@ -104,6 +116,8 @@ def gather_reports(store: Store, step: int, attempt: str, world: int, deadline: 
     while True:
         reports = []
         for name in store.list(rel):
+            if not name.endswith(".json"):  # a report being written in place (its .tmp)
+                continue
             body = json.loads(store.get_bytes(f"{rel}/{name}") or b"{}")
             if body.get("attempt") == attempt:
                 reports.append(body["files"])

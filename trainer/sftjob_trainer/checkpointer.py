@@ -1,6 +1,7 @@
 """The Checkpointer: save, commit, resume and prune, for any ``storage.Store``.
 
-A save blocks training only while each rank copies its shards to host memory. The rest
+A save blocks training only while each rank copies its shards to host memory (buffers
+kept from one save to the next: host memory for one more copy of the shards). The rest
 runs behind it: DCP writes the copies to local disk (its own gloo process group, so its
 collectives never meet the training step's), then each rank publishes its files (in
 place for a local directory, an upload for s3://) and reports them, and rank 0 commits
@@ -81,6 +82,7 @@ class Checkpointer:
         # Reports left by an earlier attempt at the same step must not count for this one.
         self.attempt = dist_utils.broadcast_object(uuid.uuid4().hex if rank == 0 else None)
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._stager = ckpt.host_stager()
         self._written: Future | None = None  # the shards of the newest save, on local disk
         self._pending: Future | None = None  # its commit
         self._pending_step: int | None = None
@@ -117,12 +119,12 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self.wait(raise_errors=False, until=until, stopping=stopping)
-        if self._written is not None:  # its DCP collectives and these share one group
+        if self._written is not None:  # it reads the host buffers, and its collectives use our group
             futures.wait([self._written])
         rel = step_dir(state.step)
         staged = fresh_dir(self.store.local_path(rel, self.rank))  # clears a stale partial one
         dist_utils.barrier()
-        self._written = ckpt.start_write(staged, model, optimizer, state, self.rank, self.group)
+        self._written = ckpt.start_write(staged, model, optimizer, state, self.rank, self._stager, self.group)
         blocked = time.perf_counter() - t0
         written, step = self._written, state.step
         self._pending = self.strategy.submit(lambda: self._publish_and_commit(written, staged, step, until))
@@ -191,6 +193,7 @@ class Checkpointer:
         self.wait(raise_errors=False)
         if self._written is not None:
             futures.wait([self._written])
+        self._stager.close()
 
 
 def _not_committed(step: int | None, err: BaseException) -> None:
