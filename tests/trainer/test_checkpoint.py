@@ -202,3 +202,22 @@ def test_sigterm_is_not_stuck_behind_a_slow_commit(tmp_path, caplog):
     store.release.set()
     assert ck.wait() == 2
     assert committed == [1, 2] and ck.resumable() == 2
+
+
+def test_a_new_save_waits_for_the_previous_commit(tmp_path):
+    """Without SIGTERM a save never overtakes the one before it: commits stay in step order
+    and at most one checkpoint is in flight."""
+    store = RecordingStore(tmp_path / "out", tmp_path / "scratch")
+    ck = checkpointer(store, strategy=Background())
+    committed: list[int] = []
+    ck.on_commit = committed.append
+    model, opt = make(0)
+    store.release.clear()
+    ck.save(model, opt, state(1))
+    second = threading.Thread(target=ck.save, args=(model, opt, state(2)))
+    second.start()
+    second.join(timeout=1.0)
+    assert second.is_alive() and committed == []
+    store.release.set()
+    second.join(timeout=30)
+    assert ck.wait() == 2 and committed == [1, 2]

@@ -120,7 +120,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait(raise_errors=False, until=until, stopping=stopping)
         if self._written is not None:  # it reads the host buffers, and its collectives use our group
-            futures.wait([self._written])
+            left = None if until is None else max(0.0, until - time.monotonic())
+            if not futures.wait([self._written], timeout=left).done:
+                raise UploadError("the previous checkpoint's shards were still being written at the stop deadline")
         rel = step_dir(state.step)
         staged = fresh_dir(self.store.local_path(rel, self.rank))  # clears a stale partial one
         dist_utils.barrier()
