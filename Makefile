@@ -32,7 +32,7 @@ test-unit: install checkov-install ## Run only the fast tests (no torchrun, no c
 -include hack/chaos.mk
 
 demo: install ## End to end: local cluster, Helm chart, SFTJob preempted and resumed, model from S3, Prometheus (DEMO_STEPS=N: shorter)
-	OMP_NUM_THREADS=1 $(PY) demo/run.py
+	OMP_NUM_THREADS=1 $(PY) -m demo.run
 
 clean: ## Remove local run outputs (.demo, caches); keeps .venv and the binary cache
 	rm -rf .demo .pytest_cache

@@ -14,10 +14,10 @@ GPU_CHECK_SKIP ?=
 .PHONY: bench bench-gpu gpu-check
 
 bench: install ## Our trainer vs TRL and a plain loop on the CPU bench: tokens/s, MFU, peak RSS, loss (~15-20 min)
-	$(PY) bench/run.py --reps $(REPS) --steps $(STEPS) --contenders $(CONTENDERS) --precisions $(PRECISIONS) $(BENCH_ARGS)
+	$(PY) -m bench.run --reps $(REPS) --steps $(STEPS) --contenders $(CONTENDERS) --precisions $(PRECISIONS) $(BENCH_ARGS)
 
 bench-gpu: install ## Our trainer on one GPU, 0.5B Qwen2-shaped model, bf16: tokens/s and MFU (fails without CUDA)
-	$(PY) bench/bench_gpu.py $(BENCH_ARGS)
+	$(PY) -m bench.bench_gpu $(BENCH_ARGS)
 
 gpu-check: install ## On a CUDA machine (<8 min): bf16 train+resume, flash-attn vs sdpa, bench-gpu, image import (fails without CUDA)
-	$(PY) bench/gpu_check.py $(if $(GPU_CHECK_SKIP),--allow-no-gpu) $(GPU_CHECK_ARGS)
+	$(PY) -m bench.gpu_check $(if $(GPU_CHECK_SKIP),--allow-no-gpu) $(GPU_CHECK_ARGS)

@@ -11,8 +11,8 @@ packed micro-batches by token budget, flash-attention varlen when flash-attn is 
 (else per-sequence sdpa), and prints tokens/s over the timed window (steps after the
 warm-up) and MFU against --peak-tflops (default 790, an H100/H200-class dense bf16 peak).
 
-Usage: python bench/bench_gpu.py [--steps 12] [--warmup 3] [--global-batch 64]
-                                 [--tokens-per-micro-batch 16384] [--work .bench/gpu] [--allow-no-gpu]
+Usage: python -m bench.bench_gpu [--steps 12] [--warmup 3] [--global-batch 64]
+                               [--tokens-per-micro-batch 16384] [--work .bench/gpu] [--allow-no-gpu]
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+ROOT = Path(__file__).resolve().parents[1]
 
 QWEN2_05B = dict(
     architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896, intermediate_size=4864,
@@ -43,8 +42,8 @@ def prepare(work: Path, examples: int) -> tuple[Path, Path]:
 
     data = work / "data"
     if not (data / "train.parquet").exists():
-        subprocess.run([sys.executable, str(BENCH / "make_data.py"), "--out", str(data), "-n", str(examples)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "bench.make_data", "--out", str(data), "-n", str(examples)],
+                       check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     model = work / "model"
     if not (model / "config.json").exists():
         torch.manual_seed(0)

@@ -5,8 +5,9 @@
 Builds a random Llama-shaped model of about ``--params`` million parameters (saved with
 save_pretrained, loaded by the trainer like any user model), fine-tunes it fully for a few
 steps on the tiny assets with a checkpoint every step, and reports from the trainer's own
-log: the blocking part of each save (training waits), the total until the checkpoint is
-committed, and the time from SIGTERM to the process exit (stop checkpoint included).
+log: the blocking part of each save (training waits: the copy of the shards to host
+memory), the total until the checkpoint is committed (shards written, uploaded for s3://),
+and the time from SIGTERM to the process exit (stop checkpoint included).
 For an s3:// output the AWS_* variables must point at the store (e.g. `source .cluster/env`).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 WRITTEN = re.compile(r"checkpoint step-(\d+) written in ([\d.]+)s")
-COMMITTED = re.compile(r"checkpoint .*step-(\d+) committed \(\d+ files, upload ([\d.]+)s\)")
+COMMITTED = re.compile(r"checkpoint .*step-(\d+) committed \(\d+ files, ([\d.]+)s after the save\)")
 
 
 def make_model(out: Path, params_m: int, assets: Path) -> None:
@@ -58,8 +59,14 @@ def report(name: str, log: str) -> None:
     written = {int(s): float(t) for s, t in WRITTEN.findall(log)}
     committed = {int(s): float(t) for s, t in COMMITTED.findall(log)}
     for step, blocked in sorted(written.items()):
-        total = f"{blocked + committed[step]:.2f}s (+{committed[step]:.2f}s upload in the background)" if step in committed else "-"
+        total = f"{blocked + committed[step]:.2f}s (+{committed[step]:.2f}s in the background)" if step in committed else "-"
         print(f"  {name} step-{step}: blocking {blocked:.2f}s, total {total}")
+
+
+def keep_log(logs: Path | None, name: str, text: str) -> None:
+    if logs is not None:
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / name).write_text(text)
 
 
 def main() -> int:
@@ -67,6 +74,7 @@ def main() -> int:
     ap.add_argument("--params", type=int, default=500, help="model size in millions of parameters")
     ap.add_argument("--s3", help="also write checkpoints to this s3:// prefix")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--logs", type=Path, help="also keep the trainer's logs in this directory")
     a = ap.parse_args()
     from sftjob_trainer.assets import make_assets
 
@@ -80,9 +88,11 @@ def main() -> int:
         outs = [("local", str(tmp / "out"))] + ([("s3", a.s3.rstrip("/") + f"/ckpt-bench-{int(time.time())}")] if a.s3 else [])
         for name, out in outs:
             log, _ = run(base + [f"trainer.output_dir={out}", f"trainer.total_training_steps={a.steps}"])
+            keep_log(a.logs, f"{name}-saves.log", log)
             report(name, log)
             log, took = run(base + [f"trainer.output_dir={out}-sig", "trainer.total_training_steps=1000",
                                     "trainer.save_freq=0"], sigterm_after_step=2)
+            keep_log(a.logs, f"{name}-sigterm.log", log)
             print(f"  {name}: SIGTERM at step 2 -> exit in {took:.2f}s (stop checkpoint included)")
     return 0
 

@@ -3,7 +3,9 @@
 Everything a contender needs to be comparable:
   * the model config and a deterministic random init (seed 0),
   * the dataset location/loader,
-  * the MFU formula (see README "MFU"),
+  * the FLOPs of a set of sequences: the trainer's own formula and parameter count
+    (sftjob_trainer.metrics.step_flops, sftjob_trainer.model.matmul_params), so every
+    contender's MFU is the one the trainer reports (see README "MFU"),
   * a tiny timing/token-accounting helper so every contender reports the same way.
 """
 
@@ -39,22 +41,20 @@ def build_model(seed: int = 0, attn_implementation: str = "sdpa"):
 
 
 def param_counts(model) -> dict:
-    """n_total, n_embed (input embedding lookup, no matmul FLOPs), n_matmul (everything else incl. lm_head)."""
-    n_total = sum(p.numel() for p in model.parameters())
-    n_embed = model.get_input_embeddings().weight.numel()
-    return {"n_total": n_total, "n_embed": n_embed, "n_matmul": n_total - n_embed}
+    """n_total, and n_matmul as the trainer counts it (everything but the input embedding
+    lookup; a tied embedding counts once, as the LM head's matmul)."""
+    from sftjob_trainer.model import matmul_params
+
+    return {"n_total": sum(p.numel() for p in model.parameters()), "n_matmul": matmul_params(model)}
 
 
-def model_flops(n_matmul: int, n_real_tokens: int, sum_sq_seq_len: int, cfg: dict | None = None) -> float:
-    """Useful training FLOPs (fwd+bwd) for a set of sequences; padding is NOT counted.
+def training_flops(model, seq_lengths: list[int]) -> float:
+    """Useful training FLOPs (fwd+bwd) of these sequences, padding not counted: the trainer's
+    step_flops, 6·N_matmul·tokens + 6·n_layers·d_attn·Σ s²."""
+    from sftjob_trainer.metrics import step_flops
+    from sftjob_trainer.model import attention_dims, matmul_params
 
-    6 * N_matmul * tokens                              (dense matmuls, fwd 2 + bwd 4)
-    + 6 * n_layers * (n_heads * head_dim) * sum_i s_i^2  (causal attention scores + AV:
-        fwd 2 matmuls * 2 FLOP * s^2/2 (causal half) * d_attn = 2 s^2 d_attn; x3 for fwd+bwd)
-    """
-    cfg = cfg or load_model_config_dict()
-    d_attn = cfg["num_attention_heads"] * cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    return 6.0 * n_matmul * n_real_tokens + 6.0 * cfg["num_hidden_layers"] * d_attn * float(sum_sq_seq_len)
+    return step_flops(matmul_params(model), *attention_dims(model), seq_lengths)
 
 
 def read_peak_gflops(dtype: str = "fp32") -> float | None:
@@ -91,22 +91,19 @@ class StepMeter:
         self.warmup = warmup_steps
         self.step = 0
         self._pending_tok = 0
-        self._pending_sq = 0
-        self._pending_seqs = 0
+        self._pending_lens: list[int] = []
         self._pending_padded = 0
         self.t_start = None
         self.t_end = None
         self.tokens = 0
-        self.sum_sq = 0
-        self.seqs = 0
+        self.seq_lens: list[int] = []
         self.padded_tokens = 0
         self.step_times = []
         self._t_last = time.perf_counter()
 
     def add_micro(self, n_real: int, seq_lens, n_slots: int):
         self._pending_tok += int(n_real)
-        self._pending_sq += int(sum(int(s) ** 2 for s in seq_lens))
-        self._pending_seqs += len(seq_lens)
+        self._pending_lens += [int(s) for s in seq_lens]
         self._pending_padded += int(n_slots)
 
     def step_end(self):
@@ -118,18 +115,18 @@ class StepMeter:
             self.t_start = now
         elif self.step > self.warmup:
             self.tokens += self._pending_tok
-            self.sum_sq += self._pending_sq
-            self.seqs += self._pending_seqs
+            self.seq_lens += self._pending_lens
             self.padded_tokens += self._pending_padded
             self.t_end = now
-        self._pending_tok = self._pending_sq = self._pending_seqs = self._pending_padded = 0
+        self._pending_tok = self._pending_padded = 0
+        self._pending_lens = []
 
-    def summary(self, n_matmul: int, dtype: str = "fp32") -> dict:
+    def summary(self, model, dtype: str = "fp32") -> dict:
         if self.warmup == 0:
             raise ValueError("warmup must be >= 1 (timing starts at the end of the last warm-up step)")
         dt = self.t_end - self.t_start
         tps = self.tokens / dt
-        flops = model_flops(n_matmul, self.tokens, self.sum_sq)
+        flops = training_flops(model, self.seq_lens)
         peak = read_peak_gflops(dtype)
         out = {
             "timed_steps": self.step - self.warmup,
@@ -137,7 +134,7 @@ class StepMeter:
             "real_tokens": self.tokens,
             "slot_tokens": self.padded_tokens,
             "pad_fraction": 1.0 - self.tokens / max(1, self.padded_tokens),
-            "sequences": self.seqs,
+            "sequences": len(self.seq_lens),
             "tokens_per_s": tps,
             "model_gflops_per_s": flops / dt / 1e9,
             "step_times_s": [round(x, 3) for x in self.step_times],

@@ -16,7 +16,7 @@ Checks, each PASS or FAIL with its numbers, the exit code non-zero if any fails:
 Without CUDA it prints that nothing was checked and exits 2, unless --allow-no-gpu
 (`make gpu-check GPU_CHECK_SKIP=1`).
 
-Usage: python bench/gpu_check.py [--work .bench/gpu-check] [--only train,attention,bench,image]
+Usage: python -m bench.gpu_check [--work .bench/gpu-check] [--only train,attention,bench,image]
                                  [--image ghcr.io/sftjob/trainer:0.1.0] [--allow-no-gpu]
 """
 from __future__ import annotations
@@ -31,8 +31,9 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+from bench.bench_gpu import no_cuda_exit
+
+ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ("train", "attention", "bench", "image")
 
 
@@ -178,7 +179,7 @@ def check_attention(args, torch) -> str:
 
 
 def check_bench(args, torch) -> str:
-    cmd = [sys.executable, str(BENCH / "bench_gpu.py"), "--steps", "10", "--warmup", "3",
+    cmd = [sys.executable, "-m", "bench.bench_gpu", "--steps", "10", "--warmup", "3",
            "--work", str(args.work / "bench-gpu")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=360, cwd=ROOT)
     text = proc.stdout + proc.stderr
@@ -213,8 +214,6 @@ def main() -> int:
     ap.add_argument("--allow-no-gpu", action="store_true", help="exit 0 (not 2) on a machine without CUDA")
     args = ap.parse_args()
     import torch
-
-    from bench_gpu import no_cuda_exit  # bench/ is this script's directory
 
     refused = no_cuda_exit("gpu-check", "checked", args.allow_no_gpu, "GPU_CHECK_SKIP=1 / --allow-no-gpu")
     if refused is not None:

@@ -15,7 +15,7 @@ rank 0 also reads the full weights once (4·N bytes) before scattering them. Act
 on top and are what checkpointing removes. So the 1B run needs ~20 GB of free memory in all;
 `--layers 4` (≈0.2B) fits a small machine.
 
-Usage: python bench/memory_bench.py [--layers 22] [--steps 3] [--micro 4] [--work .bench/memory]
+Usage: python -m bench.memory_bench [--layers 22] [--steps 3] [--micro 4] [--work .bench/memory]
 """
 from __future__ import annotations
 
@@ -28,21 +28,22 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
+from bench.common import DEFAULT_DATA_DIR, load_model_config_dict
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def prepare(work: Path, layers: int) -> tuple[Path, Path]:
-    data = ROOT / ".bench" / "data"  # the same data as `make bench`
+    data = DEFAULT_DATA_DIR  # the same data as `make bench`
     if not (data / "train.parquet").exists():
-        subprocess.run([sys.executable, str(BENCH / "make_data.py"), "--out", str(data), "-n", "512"],
+        subprocess.run([sys.executable, "-m", "bench.make_data", "--out", str(data), "-n", "512"], cwd=ROOT,
                        check=True, stdout=subprocess.DEVNULL)
     model = work / f"model-{layers}l"
     if not (model / "config.json").exists():
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = json.loads((BENCH / "model_config.json").read_text())
+        cfg = load_model_config_dict()
         cfg.update(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=32,
                    num_key_value_heads=4, head_dim=64)
         torch.manual_seed(0)

@@ -6,7 +6,7 @@ batch schedule, ce_sum, clip, fused AdamW) on the bench data and model made by b
 profiles --steps optimizer steps after one warm-up step and prints the top operators by self
 CPU time plus a coarse breakdown (matmuls, attention, loss head, optimizer, the rest).
 
-Usage: python bench/profile_step.py [--precision fp32|bf16] [--cpu-bf16-gemm auto|native|widened]
+Usage: python -m bench.profile_step [--precision fp32|bf16] [--cpu-bf16-gemm auto|native|widened]
                                     [--steps 2] [--work .bench]
 """
 from __future__ import annotations

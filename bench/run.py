@@ -15,8 +15,8 @@ spreads over all of them):
 each in fp32 and in bf16 autocast. Workload, timing window (steps 3..N) and the MFU formula
 are those of bench/README.md. Peak RSS is the process's own, from wait4().
 
-Usage: python bench/run.py [--reps 1] [--steps 20] [--contenders ours,trl_packed,...]
-                           [--precisions fp32,bf16] [--work .bench] [--out DIR]
+Usage: python -m bench.run [--reps 1] [--steps 20] [--contenders ours,trl_packed,...]
+                            [--precisions fp32,bf16] [--work .bench] [--out DIR]
 """
 from __future__ import annotations
 
@@ -30,20 +30,20 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(BENCH))
-import common  # noqa: E402
+from bench import common
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONTENDERS = ["ours", "trl_padded", "trl_packed", "plain_padfree"]
 # Variants of our trainer: the extra overrides each runs with.
 OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": []}
+# The other contenders: the bench module each runs (python -m, from the checkout's root) and its flags.
 PEERS = {
-    "trl_padded": ("peer_trl.py", ["--mode", "padded"]),
-    "trl_packed": ("peer_trl.py", ["--mode", "packed"]),
-    "trl_padfree": ("peer_trl.py", ["--mode", "padfree"]),
-    "plain_padfree": ("plain_loop.py", ["--mode", "padfree"]),
-    "plain_padded": ("plain_loop.py", ["--mode", "padded"]),
+    "trl_padded": ("bench.peer_trl", ["--mode", "padded"]),
+    "trl_packed": ("bench.peer_trl", ["--mode", "packed"]),
+    "trl_padfree": ("bench.peer_trl", ["--mode", "padfree"]),
+    "plain_padfree": ("bench.plain_loop", ["--mode", "padfree"]),
+    "plain_padded": ("bench.plain_loop", ["--mode", "padded"]),
 }
 DATA_SHA = "80c74d2f"  # prefix of make_data.py's ids_sha256 for the default arguments (bench/README.md)
 
@@ -57,8 +57,8 @@ def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, p
     py = sys.executable
     data = work / "data"
     if not (data / "train.parquet").exists():
-        subprocess.run([py, str(BENCH / "make_data.py"), "--out", str(data), "-n", str(num_examples)],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([py, "-m", "bench.make_data", "--out", str(data), "-n", str(num_examples)],
+                       check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     stats = json.loads((data / "stats.json").read_text())
     if num_examples == 512 and not stats["ids_sha256"].startswith(DATA_SHA):
         raise SystemExit(f"bench data differ from the reference set (ids_sha256 {stats['ids_sha256']})")
@@ -71,8 +71,9 @@ def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, p
     # Measured in every invocation: the peak moves with the machine's load like the runs do.
     peak_json = out_dir / "peak.json"
     if not peak_json.exists():
-        subprocess.run([py, str(BENCH / "matmul_peak.py"), "--json", str(peak_json), "--seconds", str(peak_seconds),
-                        "--repeats", "2", "--sizes", *peak_sizes.split(","), "--threads", str(threads)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([py, "-m", "bench.matmul_peak", "--json", str(peak_json), "--seconds", str(peak_seconds),
+                        "--repeats", "2", "--sizes", *peak_sizes.split(","), "--threads", str(threads)], check=True,
+                       stdout=subprocess.DEVNULL, cwd=ROOT)
     return {"data": data, "model": model, "peak": json.loads(peak_json.read_text()), "peak_json": peak_json}
 
 
@@ -146,8 +147,7 @@ def summarize_ours(out: Path, inp: dict, precision: str, warmup: int) -> dict:
     ex = common.load_examples(inp["data"])[warmup * 16 : last * 16]
     lengths = [len(e["prompt_ids"]) + len(e["response_ids"]) for e in ex]
     assert sum(lengths) == tokens, "our trainer did not see the bench's samples in file order"
-    n_matmul = common.param_counts(common.build_model(seed=0))["n_matmul"]
-    flops = common.model_flops(n_matmul, tokens, sum(s * s for s in lengths))
+    flops = common.training_flops(common.build_model(seed=0), lengths)
     return {
         "tokens_per_s": tokens / seconds,
         "timed_seconds": seconds,
@@ -183,10 +183,10 @@ def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path)
         shutil.rmtree(run_out / "checkpoints", ignore_errors=True)
         shutil.rmtree(run_out / "hf", ignore_errors=True)
     else:
-        script, flags = PEERS[name]
-        cmd = [sys.executable, str(BENCH / script), *flags, *common_flags, "--data-dir", str(inp["data"]),
+        module, flags = PEERS[name]
+        cmd = [sys.executable, "-m", module, *flags, *common_flags, "--data-dir", str(inp["data"]),
                "--json", str(base.with_suffix(".json"))]
-        if script == "peer_trl.py":
+        if module == "bench.peer_trl":
             cmd += ["--output-dir", str(base.with_suffix(".out"))]
         if precision == "bf16":
             cmd.append("--bf16")
@@ -257,7 +257,8 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
             checks.append(f"{precision}: peak RSS ours {mine:.0f} MiB vs TRL (lowest mode) {theirs:.0f} MiB "
                           f"{'PASS' if mine <= theirs else 'FAIL'}")
         rel = max(abs(r["flops_trainer"] / r["flops_bench_formula"] - 1) for r in ours)
-        checks.append(f"{precision}: FLOPs counted by the trainer vs the README formula: max rel. diff {rel:.1e} "
+        checks.append(f"{precision}: FLOPs the trainer counted vs its formula on the bench's samples: "
+                      f"max rel. diff {rel:.1e} "
                       f"{'PASS' if rel < 1e-6 else 'FAIL'}")
     return "\n".join(lines), checks
 

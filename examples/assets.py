@@ -1,11 +1,15 @@
 """Put what examples/sftjob.yaml needs into the local cluster (`make example-assets NAMESPACE=ns`).
 
 - the tiny model and parquet data (`python -m sftjob_trainer.assets`, made once under
-  .assets/tiny) uploaded to s3://sftjob-examples/{models/tiny,data/} in the cluster's MinIO;
+  .assets/tiny) uploaded to s3://sftjob-examples/{models/tiny,data/} in the cluster's MinIO,
+  with the trainer's own S3 client (sftjob_trainer.storage);
 - the Secret `sftjob-s3` (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) in the namespace,
   which the example references through spec.storage.credentialsSecretRef.
 
-Credentials come from .cluster/env (written by `make cluster-up`); nothing is printed.
+It reads the cluster from the environment, as kubectl and every S3 client do
+(`source .cluster/env`, which `make cluster-up` writes; make does that); nothing is printed.
+
+    python -m examples.assets --namespace NS      # from the checkout's root
 """
 from __future__ import annotations
 
@@ -19,50 +23,47 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = "sftjob-examples"
 SECRET = "sftjob-s3"
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+# Where each local directory goes in the bucket (examples/sftjob.yaml reads these).
+PREFIXES = (("model", "models/tiny"), ("data", "data"))
 
 
-def cluster_env(path: Path = REPO / ".cluster" / "env") -> dict[str, str]:
-    if not path.is_file():
-        sys.exit(f"{path} not found: start the local cluster first (make cluster-up)")
-    env = {}
-    for line in path.read_text().splitlines():
-        if line.startswith("export "):
-            key, value = line[len("export "):].split("=", 1)
-            env[key] = value.strip("'\"").replace("$PATH", os.environ.get("PATH", ""))
-    return env
+def have_local_assets(root: Path) -> bool:
+    """Complete assets under ``root``: chat_val.parquet is the last file sftjob_trainer.assets writes."""
+    return (root / "model" / "config.json").is_file() and (root / "data" / "chat_val.parquet").is_file()
 
 
-def make_local_assets(out: Path) -> Path:
-    if not (out / "model" / "config.json").is_file() or not (out / "data" / "train.parquet").is_file():
-        subprocess.run([sys.executable, "-m", "sftjob_trainer.assets", str(out)], check=True)
-    return out
+def make_local_assets(root: Path) -> Path:
+    """The tiny model and data under ``root``, made once (quietly: their progress bars are noise here)."""
+    if not have_local_assets(root):
+        subprocess.run([sys.executable, "-m", "sftjob_trainer.assets", str(root)], check=True, capture_output=True)
+    return root
 
 
-def upload(env: dict[str, str], root: Path, bucket: str = BUCKET) -> None:
-    import boto3
+def upload(root: Path, bucket: str = BUCKET) -> None:
+    """``root``/model and ``root``/data into the bucket (created if missing), through the
+    trainer's S3 client, which reads AWS_ENDPOINT_URL and the credentials from the environment."""
+    from sftjob_trainer.storage import S3Prefix
 
-    s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                      aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env.get("AWS_REGION"))
-    existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
-    if bucket not in existing:
-        s3.create_bucket(Bucket=bucket)
-    for local, prefix in ((root / "model", "models/tiny"), (root / "data", "data")):
-        for f in sorted(p for p in local.rglob("*") if p.is_file()):
-            s3.upload_file(str(f), bucket, f"{prefix}/{f.relative_to(local).as_posix()}")
+    store = S3Prefix(f"s3://{bucket}")
+    if bucket not in {b["Name"] for b in store.client.list_buckets().get("Buckets", [])}:
+        store.client.create_bucket(Bucket=bucket)
+    for local, prefix in PREFIXES:
+        store.upload_dir(root / local, prefix)
 
 
 def secret_manifest(namespace: str, env: dict[str, str]) -> dict:
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": {"name": SECRET, "namespace": namespace},
-        "stringData": {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+        "stringData": {k: env[k] for k in CREDENTIALS},
     }
 
 
 def apply_secret(namespace: str, env: dict[str, str]) -> None:
-    kenv = {**os.environ, **env}
+    """kubectl apply, with ``env`` (KUBECONFIG, PATH to kubectl, the credentials) as its environment."""
     subprocess.run(["kubectl", "apply", "-f", "-"], input=json.dumps(secret_manifest(namespace, env)),
-                   text=True, check=True, env=kenv, stdout=subprocess.DEVNULL)
+                   text=True, check=True, env=env, stdout=subprocess.DEVNULL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,10 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", required=True)
     p.add_argument("--assets", default=str(REPO / ".assets" / "tiny"))
     args = p.parse_args(argv)
-    env = cluster_env()
+    missing = [k for k in ("AWS_ENDPOINT_URL", "KUBECONFIG", *CREDENTIALS) if not os.environ.get(k)]
+    if missing:
+        sys.exit(f"{', '.join(missing)} not set: `source .cluster/env` (written by `make cluster-up`) first")
     root = make_local_assets(Path(args.assets))
-    upload(env, root)
-    apply_secret(args.namespace, env)
+    upload(root)
+    apply_secret(args.namespace, dict(os.environ))
     print(f"s3://{BUCKET}/models/tiny and s3://{BUCKET}/data ready; Secret {args.namespace}/{SECRET} applied")
     return 0
 

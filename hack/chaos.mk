@@ -14,4 +14,4 @@ chaos: install ## Seeded faults (pod kills, SIGKILL, operator kills, MinIO outag
 	OMP_NUM_THREADS=1 $(PY) -m hack.chaos --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) $(CHAOS_ARGS)
 
 bench-operator: install ## Operator at scale: BENCH_JOBS (1000) SFTJobs x 2 pods on 22 kwok nodes; latency, RSS, scrape load vs targets
-	$(PY) bench/operator/run.py --jobs $(BENCH_JOBS) $(BENCH_OPERATOR_ARGS)
+	$(PY) -m bench.operator.run --jobs $(BENCH_JOBS) $(BENCH_OPERATOR_ARGS)

@@ -8,8 +8,8 @@ NAMESPACE ?= default
 
 crds: install ## Regenerate the CRD from the pydantic API models, and the README's SFTJob/trainer references
 	$(PY) -m sftjob_operator.crd > crds/.sftjob.io_sftjobs.yaml.tmp && mv crds/.sftjob.io_sftjobs.yaml.tmp crds/sftjob.io_sftjobs.yaml
-	$(PY) demo/gen_reference.py --write README.md
-	$(PY) demo/gen_reference.py --trainer --write README.md
+	$(PY) -m sftjob_operator.reference --write README.md
+	$(PY) -m sftjob_operator.reference --trainer --write README.md
 
 crds-install: ## Apply the SFTJob CRD to the local cluster
 	@$(CLUSTER_ENV); kubectl apply --server-side -f crds/sftjob.io_sftjobs.yaml
@@ -25,4 +25,4 @@ operator-test-cluster: install ## Operator acceptance tests on the local cluster
 
 example-assets: install ## Tiny model+data in the cluster's MinIO and the S3 Secret in NAMESPACE (make example-assets NAMESPACE=demo)
 	@$(CLUSTER_ENV); kubectl create namespace $(NAMESPACE) --dry-run=client -o yaml | kubectl apply -f - >/dev/null
-	$(PY) examples/assets.py --namespace $(NAMESPACE)
+	@$(CLUSTER_ENV); $(PY) -m examples.assets --namespace $(NAMESPACE)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 
 @pytest.mark.parametrize("extra", [[], ["--trainer"]], ids=["sftjob", "trainer"])
 def test_generated_reference_is_current(extra):
-    proc = subprocess.run([sys.executable, "demo/gen_reference.py", *extra, "--check", "README.md"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "sftjob_operator.reference", *extra, "--check", "README.md"], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"README reference is stale; run make crds\n{proc.stdout}{proc.stderr}"
 

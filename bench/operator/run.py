@@ -1,7 +1,7 @@
 """`make bench-operator`: the operator at scale on kwok fake nodes, measured against targets.
 
-    python bench/operator/run.py                 # 1,000 SFTJobs x 2 pods on 22 kwok nodes
-    python bench/operator/run.py --jobs 50       # a quick run
+    python -m bench.operator.run                 # 1,000 SFTJobs x 2 pods on 22 kwok nodes
+    python -m bench.operator.run --jobs 50       # a quick run
 
 The operator runs as a host process (`python -m sftjob_operator.cli --namespace NS`, as in
 hack/localcluster/operator_proc.py), namespace-scoped to a fresh namespace so that it never
@@ -29,282 +29,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hack import localcluster
+from hack.localcluster.kube import ApiError, Kube
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.operator.harness import (JOBS, KWOK_POD_CIDR, METRICS_PORT, REPO, BlackHole, Operator, PodWatch,
+                                    job_manifest, probe, syn_sent, wait_running)
+from bench.operator.stats import hist_quantile, msum, pct
 
-from hack import localcluster  # noqa: E402
-from hack.localcluster.kube import ApiError, Kube  # noqa: E402
-from hack.localcluster.operator_proc import OperatorProcess  # noqa: E402
-
-JOBS = "/apis/sftjob.io/v1alpha1/namespaces/{ns}/sftjobs"
 CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
-EXAMPLE = REPO / "examples" / "sftjob.yaml"
-KWOK_TAINT = {"key": "kwok.x-k8s.io/node", "operator": "Exists", "effect": "NoSchedule"}
 NODE_PREFIX = "bench-kwok-"
 
 
 def say(msg: str) -> None:
     print(f"[bench-operator {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = max(0, min(len(xs) - 1, math.ceil(q / 100 * len(xs)) - 1))
-    return xs[k]
-
-
-# ------------------------------------------------------------------------------ the operator
-
-class Operator(OperatorProcess):
-    """The operator process of the shared harness, plus RSS sampling and parsed metrics."""
-
-    def __init__(self, env: dict[str, str], ns: str, log_path: Path):
-        super().__init__(env, log_path, namespaces=[ns], live_timeout=90)
-        self.rss_samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-
-    def start(self) -> None:
-        super().start()
-        threading.Thread(target=self._sample, daemon=True).start()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.5):
-            self.rss_samples.append((time.time(), self.status_kb("VmRSS")))
-
-    def status_kb(self, key: str) -> int:
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-        except OSError:
-            pass
-        return 0
-
-    def cpu_seconds(self) -> float:
-        try:
-            f = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            return 0.0
-
-    def samples(self) -> dict[str, float]:
-        """Every sample of /metrics as {'name{labels}': value}."""
-        out = {}
-        for line in self.metrics().splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                try:
-                    out[key] = float(value)
-                except ValueError:
-                    pass
-        return out
-
-    def stop(self) -> None:
-        self._stop.set()
-        super().stop()
-
-
-
-def msum(m: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of a metric's samples whose labels include `labels`."""
-    total = 0.0
-    for key, v in m.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        if all(f'{k}="{val}"' in rest for k, val in labels.items()):
-            total += v
-    return total
-
-
-def hist_quantile(m: dict[str, float], name: str, q: float, before: dict[str, float] | None = None) -> float:
-    """A quantile from a Prometheus histogram's cumulative buckets (optionally of the increase since `before`)."""
-    buckets = []
-    for key, v in m.items():
-        if key.startswith(name + "_bucket{"):
-            le = re.search(r'le="([^"]+)"', key).group(1)
-            v -= (before or {}).get(key, 0.0)
-            buckets.append((float("inf") if le == "+Inf" else float(le), v))
-    buckets.sort()
-    if not buckets or buckets[-1][1] <= 0:
-        return float("nan")
-    rank = q * buckets[-1][1]
-    prev_le, prev_c = 0.0, 0.0
-    for le, c in buckets:
-        if c >= rank:
-            if le == float("inf"):
-                return prev_le
-            return prev_le + (le - prev_le) * ((rank - prev_c) / max(c - prev_c, 1e-9))
-        prev_le, prev_c = le, c
-    return prev_le
-
-
-# ------------------------------------------------------------------------------ pods, seen by a watch
-
-class PodWatch(threading.Thread):
-    def __init__(self, kube: Kube, ns: str):
-        super().__init__(daemon=True, name="pod-watch")
-        self.kube, self.ns = kube, ns
-        self.seen: dict[str, float] = {}           # pod uid -> first seen (time.time())
-        self.by_job: dict[str, list[tuple[float, str, str]]] = {}   # job -> [(seen, pod name, attempt)]
-        self.running: set[str] = set()
-        self.lock = threading.Lock()
-        self.stopped = threading.Event()
-        self.rv = kube.get(f"/api/v1/namespaces/{ns}/pods")["metadata"]["resourceVersion"]
-        self.errors = 0
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                for ev in self.kube.watch(f"/api/v1/namespaces/{self.ns}/pods", self.rv, timeout_s=120):
-                    now = time.time()
-                    obj = ev.get("object") or {}
-                    md = obj.get("metadata") or {}
-                    if md.get("resourceVersion"):
-                        self.rv = md["resourceVersion"]
-                    if ev.get("type") == "ERROR":
-                        raise ApiError(410, json.dumps(obj), "WATCH", "pods")
-                    if ev.get("type") not in ("ADDED", "MODIFIED"):
-                        continue
-                    uid = md["uid"]
-                    labels = md.get("labels") or {}
-                    with self.lock:
-                        if uid not in self.seen:
-                            self.seen[uid] = now
-                            self.by_job.setdefault(labels.get("sftjob.io/job-name", ""), []).append(
-                                (now, md["name"], labels.get("sftjob.io/attempt", "")))
-                        if (obj.get("status") or {}).get("phase") == "Running":
-                            self.running.add(uid)
-                    if self.stopped.is_set():
-                        return
-            except ApiError as e:
-                self.errors += 1
-                if e.status == 410:  # too old: relist
-                    self.rv = self.kube.get(f"/api/v1/namespaces/{self.ns}/pods")["metadata"]["resourceVersion"]
-            except OSError:
-                self.errors += 1
-                time.sleep(0.5)
-
-    def count(self) -> int:
-        with self.lock:
-            return len(self.seen)
-
-
-# ------------------------------------------------------------------------------ the benchmark
-
-def job_manifest(name: str) -> dict[str, Any]:
-    obj = yaml.safe_load(EXAMPLE.read_text())
-    obj["metadata"] = {"name": name}
-    spec = obj["spec"]
-    # Small requests, so that 2 pods x 1,000 jobs fit on 22 fake nodes of 32 CPUs / 256 GiB
-    # (the example's 1 CPU / 4 GiB would leave two thirds of the pods Pending: unschedulable).
-    spec["resources"]["cpu"] = "100m"
-    spec["resources"]["memory"] = "256Mi"
-    spec["resources"]["nodeSelector"] = {"type": "kwok"}
-    spec["resources"]["tolerations"] = [KWOK_TAINT]
-    spec["runPolicy"]["restartBackoffSeconds"] = 0
-    spec["runPolicy"].pop("ttlSecondsAfterFinished", None)
-    return obj
-
-
-KWOK_POD_CIDR = "10.250.0.0/16"  # kwok's --cidr in hack/localcluster/kwok.py
-HOLE_NETNS, HOLE_DEV, HOLE_NET = "benchop-hole", "benchop0", ("10.251.255.1", "10.251.255.2")
-
-
-class BlackHole:
-    """Make kwok's fake pod IPs truly unreachable: a SYN to them is never answered.
-
-    Without this, this host's default route may reach something that answers for any
-    address (a proxy answered HTTP 404 in 2 ms on the CI VM), and the scrape load would be
-    nothing like a dead pod's. The route sends KWOK_POD_CIDR through a veth to a network
-    namespace that does not forward, where the packets are dropped without a reply, as for a
-    pod IP that vanished on a real cluster. Removed again on exit (deleting the veth removes
-    the route)."""
-
-    def __init__(self) -> None:
-        self.up = False
-
-    @staticmethod
-    def _ip(*a: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", *a], capture_output=True, text=True, check=check)
-
-    def __enter__(self) -> "BlackHole":
-        self.__exit__()  # leftovers of an interrupted run
-        host, peer = HOLE_NET
-        self._ip("netns", "add", HOLE_NETNS)
-        self._ip("link", "add", HOLE_DEV, "type", "veth", "peer", "name", "eth0", "netns", HOLE_NETNS)
-        self._ip("addr", "add", f"{host}/30", "dev", HOLE_DEV)
-        self._ip("link", "set", HOLE_DEV, "up")
-        self._ip("-n", HOLE_NETNS, "addr", "add", f"{peer}/30", "dev", "eth0")
-        self._ip("-n", HOLE_NETNS, "link", "set", "eth0", "up")
-        self._ip("route", "replace", KWOK_POD_CIDR, "via", peer)
-        self.up = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._ip("link", "del", HOLE_DEV, check=False)
-        self._ip("netns", "del", HOLE_NETNS, check=False)
-        self.up = False
-
-
-METRICS_PORT = 9400  # the trainer's metrics port the operator scrapes (builders.METRICS_PORT)
-
-
-def syn_sent(port: int) -> int:
-    """TCP connections to `port` still waiting for an answer (SYN sent): scrapes of endpoints
-    that do not answer (kwok's fake pod IPs), in flight right now."""
-    out = subprocess.run(["ss", "-Htn", "state", "syn-sent", f"( dport = :{port} )"], capture_output=True, text=True)
-    return len([line for line in out.stdout.splitlines() if line.strip()])
-
-
-def wait_running(kube: Kube, ns: str, name: str, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if ((kube.get(f"{JOBS.format(ns=ns)}/{name}").get("status") or {}).get("phase")) == "Running":
-            return
-        time.sleep(0.3)
-    raise SystemExit(f"{name} not Running after {timeout:.0f}s")
-
-
-def probe(kube: Kube, ns: str, watch: "PodWatch", name: str, errors: list[str], timeout: float = 120) -> float:
-    """Delete rank 1 of a Running job (grace 0, a lost pod); seconds until both pods of the
-    replacement gang exist."""
-    wait_running(kube, ns, name, timeout)
-    with watch.lock:
-        before = {a for _, _, a in watch.by_job.get(name, [])}
-    t0 = time.time()
-    try:
-        kube.delete(f"/api/v1/namespaces/{ns}/pods/{name}-node-1", {"gracePeriodSeconds": 0})
-    except ApiError as e:
-        errors.append(f"probe delete {name}: {e}")
-        return float("inf")
-    end = t0 + timeout
-    while time.time() < end:
-        with watch.lock:
-            new = [s for s, _, a in watch.by_job.get(name, []) if a not in before]
-        if len(new) >= 2:
-            return max(new) - t0
-        time.sleep(0.05)
-    return float("inf")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

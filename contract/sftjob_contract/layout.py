@@ -12,9 +12,15 @@ CHECKPOINTS = "checkpoints"      # holds step-<N>/ directories
 COMMITTED = "COMMITTED"          # written last into a step directory: only then it counts
 MANIFEST = "manifest.json"       # every file of a checkpoint and its size, written before COMMITTED
 CACHE = "cache"                  # derived files (the data scan), safe to delete
+TRAINER_STATE = "trainer_state.json"  # in a step directory: step, epoch, data cursor, RNG
+RANK_REPORTS = "_ranks"          # in a step directory: what each rank published (rank-<r>.json)
+LATEST = "latest"                # checkpoints/latest: the newest committed step, for people and
+                                 # tools; never trusted on resume (COMMITTED is)
 HF = "hf"                        # the exports
-HF_FINAL = f"{HF}/final"         # a full Hugging Face model (LoRA: merged into the base)
-HF_ADAPTER = f"{HF}/adapter"     # LoRA runs: the PEFT adapter
+FINAL = "final"                  # under HF: a full Hugging Face model (LoRA: merged into the base)
+ADAPTER = "adapter"              # under HF, LoRA runs: the PEFT adapter
+HF_FINAL = f"{HF}/{FINAL}"
+HF_ADAPTER = f"{HF}/{ADAPTER}"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -22,6 +28,11 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 def step_dir(step: int) -> str:
     """The name of one checkpoint's directory under CHECKPOINTS."""
     return f"step-{step}"
+
+
+def checkpoint_dir(step: int) -> str:
+    """One checkpoint's directory relative to the output root: checkpoints/step-<N>."""
+    return f"{CHECKPOINTS}/{step_dir(step)}"
 
 
 def parse_step_dir(name: str) -> int | None:

@@ -1,4 +1,4 @@
-"""`make chaos` (hack/chaos) and `make bench-operator` (bench/operator/run.py).
+"""`make chaos` (hack/chaos) and `make bench-operator` (bench.operator).
 
 Unit tests cover the pieces that decide pass/fail (fault plan, attribution of restarts to
 faults, the byte-for-byte weight comparison, the benchmark's statistics). The cluster tests
@@ -8,7 +8,6 @@ harness works, not its timings.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -23,10 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_operator_run", REPO / "bench" / "operator" / "run.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench.operator import stats
+
+    return stats
 
 
 # ---------------------------------------------------------------------------------- unit
@@ -134,7 +132,7 @@ def test_short_chaos_run(cluster, tmp_path):
 def test_bench_operator_harness(cluster, tmp_path):
     """50 jobs on 4 kwok nodes: every measurement is taken (timings are not judged here)."""
     out = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "operator" / "run.py"), "--jobs", "50",
+    proc = subprocess.run([sys.executable, "-m", "bench.operator.run", "--jobs", "50",
                            "--kwok-nodes", "4", "--probes", "2", "--observe", "5", "--settle-timeout", "300",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, **cluster.env})

@@ -21,13 +21,16 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from demo import prom as promlib
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "sftjob-operator" / "dashboards" / "sftjob.json"
 CRD_SOURCE = REPO / "crds" / "sftjob.io_sftjobs.yaml"
-STEPS = int(os.environ.get("DEMO_TEST_STEPS", "40"))
+EXAMPLE = yaml.safe_load((REPO / "examples" / "sftjob.yaml").read_text())
+EXAMPLE_STEPS = EXAMPLE["spec"]["training"]["totalTrainingSteps"]
+STEPS = int(os.environ.get("DEMO_TEST_STEPS", str(EXAMPLE_STEPS)))
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -49,7 +52,7 @@ def demo(cluster, tmp_path_factory):
            "DEMO_KEEP_PROMETHEUS": "1", "DEMO_TIMEOUT": "1200"}
     prom = promlib.Prometheus(workdir / "prometheus", port)
     try:
-        proc = subprocess.run([sys.executable, str(REPO / "demo" / "run.py")], env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "demo.run"], env=env, capture_output=True,
                               text=True, timeout=2000, cwd=REPO)
         print(proc.stdout[-6000:])
         summary_path = workdir / "summary.json"
@@ -87,6 +90,8 @@ def test_demo_runs_end_to_end(demo, cluster):
     # The gang resumed from a committed checkpoint, not from scratch.
     assert s["preemption"]["resume_step"] >= s["preemption"]["checkpoint_step"] > 0, s["preemption"]
     assert "resumed from" in s["resume_line"]
+    if STEPS == EXAMPLE_STEPS:  # the example's whole run: the prompts shown are answered (as test_demo_answers checks)
+        assert all(g["correct"] for g in s["generations"]), s["generations"]
 
 
 def test_pods_run_the_locally_built_images_as_their_non_root_users(demo):

@@ -1,5 +1,6 @@
 """The demo's pure parts: the job manifest it applies, its `kubectl get sft` rows, the
-Grafana variable expansion, and the reference generator (every CRD field documented)."""
+Grafana variable expansion, the scrape targets, and the reference generator
+(sftjob_operator.reference: every CRD field documented)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from demo import gen_reference, prom
+from sftjob_operator import reference as gen_reference
+
+from demo import job, prom, targets, ui
 from demo import run as demo_run
 
 pytestmark = pytest.mark.unit
@@ -17,19 +20,19 @@ REPO = Path(__file__).resolve().parents[2]
 def test_manifest_is_the_example_unless_overridden():
     args = demo_run.parse([])
     example = yaml.safe_load((REPO / "examples" / "sftjob.yaml").read_text())
-    obj, notes = demo_run.job_manifest(args, None, example["spec"]["storage"]["endpoint"])
+    obj, notes = job.job_manifest(args, None, example["spec"]["storage"]["endpoint"])
     assert obj == example and notes == []
 
 
 def test_demo_steps_keep_a_checkpoint_and_validation_before_the_end():
     args = demo_run.parse(["--steps", "8"])
     crd = yaml.safe_load((REPO / "crds" / "sftjob.io_sftjobs.yaml").read_text())
-    obj, notes = demo_run.job_manifest(args, crd, "http://10.9.0.1:9000")
+    obj, notes = job.job_manifest(args, crd, "http://10.9.0.1:9000")
     t = obj["spec"]["training"]
     assert t["totalTrainingSteps"] == 8 and obj["spec"]["checkpoint"]["interval"] == 4 and t["testFreq"] == 4
     assert obj["spec"]["storage"]["endpoint"] == "http://10.9.0.1:9000"
-    if "peakTflops" in demo_run._training_fields(crd):
-        assert t["peakTflops"] == demo_run.CPU_PEAK_TFLOPS
+    if "peakTflops" in job.training_fields(crd):
+        assert t["peakTflops"] == job.CPU_PEAK_TFLOPS
     assert len(notes) >= 2
 
 
@@ -38,7 +41,7 @@ def test_rows_of_separate_kubectl_calls_line_up():
          "tiny-lora   Pending                 0          2s\n")
     b = ("NAME        PHASE       STEP    LOSS     RESTARTS   AGE\n"
          "tiny-lora   Succeeded   12/12   3.889    1          3m9s\n")
-    head, r1, r2 = demo_run._row(a, header=True), demo_run._row(a), demo_run._row(b)
+    head, r1, r2 = ui.row(a, header=True), ui.row(a), ui.row(b)
     for col in ("PHASE", "STEP", "LOSS", "RESTARTS", "AGE"):
         i = head.index(col)
         assert r2[i - 1] == " " and r2[i] != " ", (col, head, r2)
@@ -103,3 +106,18 @@ def test_trainer_reference_lists_every_key():
         assert f"#### `{section}`" in md
         for key in field.annotation.model_fields:
             assert f"| `{key}` |" in md, f"{section}.{key}"
+
+
+def _pod(name: str, phase: str = "Running", ip: str | None = "10.0.0.5", deleting: bool = False, **labels) -> dict:
+    meta = {"name": name, "labels": labels, **({"deletionTimestamp": "now"} if deleting else {})}
+    return {"metadata": meta, "status": {"phase": phase, "podIP": ip},
+            "spec": {"containers": [{"ports": [{"name": "rendezvous", "containerPort": 29500},
+                                               {"name": "metrics", "containerPort": 9400}]}]}}
+
+
+def test_scrape_targets_are_the_running_pods_metrics_ports_labelled_like_the_podmonitor():
+    pods = [_pod("j-node-0", **{"sftjob.io/job-name": "j", "sftjob.io/attempt": "1"}),
+            _pod("old", deleting=True), _pod("pending", phase="Pending"), _pod("no-ip", ip=None)]
+    assert targets.trainer_targets(pods, "ns") == [
+        ("10.0.0.5:9400", {"namespace": "ns", "pod": "j-node-0", "sftjob": "j", "attempt": "1"})]
+    assert targets.operator_targets(pods[:1], "sys") == [("10.0.0.5:9400", {"namespace": "sys", "pod": "j-node-0"})]

@@ -245,8 +245,8 @@ def test_immutable_fields_are_rejected_on_update(cluster, crd, namespace):
         for p in parents:
             node = node[p]
         node[leaf] = value
-        if path == "resources.nodes":
-            changed["spec"]["data"]["trainBatchSize"] = 8
+        if path == "resources.nodes":  # still a whole number of micro-batches per rank: only immutability is wrong
+            changed["spec"]["data"]["trainBatchSize"] = 4 * changed["spec"]["data"]["microBatchSizePerGpu"]
         res = apply(cluster, namespace, changed, check=False)
         assert res.returncode != 0 and expected in res.stderr, (path, res.stderr)
     ok = copy.deepcopy(obj)

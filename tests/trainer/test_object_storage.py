@@ -164,9 +164,17 @@ def s3env(minio, monkeypatch, tmp_path):
 
 
 def checkpoints(uri: str, tmp_path: Path, deadline_s: float = 60.0):
-    from sftjob_trainer.s3checkpoint import S3Checkpoints
+    from sftjob_trainer.checkpointer import Checkpointer
+    from sftjob_trainer.storage import S3Prefix
 
-    return S3Checkpoints(uri, tmp_path / "local", rank=0, world=1, keep=1, deadline_s=deadline_s)
+    store = S3Prefix(uri, deadline_s=deadline_s, scratch=tmp_path / "local")
+    return Checkpointer(store, rank=0, world=1, keep=1, deadline_s=deadline_s)
+
+
+def verify(ck, step: int) -> str | None:
+    from sftjob_trainer.checkpoint import verify as verify_step
+
+    return verify_step(ck.store, step)
 
 
 def test_upload_survives_a_minio_restart(minio, s3env):
@@ -175,7 +183,7 @@ def test_upload_survives_a_minio_restart(minio, s3env):
     minio.stop()
     threading.Timer(3.0, minio.start).start()  # the store comes back while the trainer retries
     ck.save(model, opt, state(1), final=True)
-    assert ck.verify(1) is None and ck.resumable() == 1
+    assert verify(ck, 1) is None and ck.resumable() == 1
 
 
 def test_upload_that_cannot_finish_fails_loudly_without_a_marker(minio, s3env, caplog):
@@ -269,9 +277,9 @@ def test_sigterm_is_not_stuck_behind_a_slow_upload(minio, s3env, caplog):
         assert time.monotonic() - t0 < 3.0
     finally:
         minio.proc.send_signal(signal.SIGCONT)
-    assert "not waiting for checkpoint step-1" in caplog.text
+    assert "not waiting for checkpoint step-1 to commit" in caplog.text
     assert ck.wait() == 2
-    assert ck.verify(2) is None and ck.resumable() == 2
+    assert verify(ck, 2) is None and ck.resumable() == 2
 
 
 def test_last_committed_step_is_reported_only_after_the_upload_commits(minio, s3env):

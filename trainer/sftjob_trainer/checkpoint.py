@@ -1,11 +1,16 @@
-"""Sharded, exactly resumable checkpoints with commit markers.
+"""What makes a checkpoint: its files, its commit protocol, and how it is found again.
 
-Layout under ``<output_dir>/checkpoints/step-<N>/``: the DCP shards of model and
+Layout under ``<output>/checkpoints/step-<N>/`` (``layout``): the DCP shards of model and
 optimizer (resharded on load, so N processes can resume on M), ``trainer_state.json``
-(step, epoch, data cursor, schedule, data fingerprint), ``manifest.json`` (every file
-and its size) and last the ``COMMITTED`` marker. A directory without the marker, or
-whose manifest does not match its files, is never resumed from. Old checkpoints are
-pruned only after a newer one has committed, and the newest good one is never pruned.
+(step, epoch, data cursor, schedule, data fingerprint), one report per rank under
+``_ranks/`` (what it published, tagged with the run's attempt), then, written by rank 0
+in this order, ``manifest.json`` (every file and its size), the ``COMMITTED`` marker and
+``checkpoints/latest``. A checkpoint without the marker, or whose manifest does not match
+its files, is never resumed from. Old checkpoints are pruned only after a newer one has
+committed, and the newest good one is never pruned.
+
+Every function here works on a ``storage.Store``, so the same code serves a local
+directory and an s3:// prefix, and tests run it against a local directory.
 
 RNG: the trainer reseeds every step from (seed, step, rank), so the step number in
 ``trainer_state.json`` restores the random state exactly, whatever the world size.
@@ -14,29 +19,27 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
+import re
 import time
 import warnings
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from sftjob_contract import layout
-
-from . import dist as dist_utils
+from sftjob_contract.layout import (CHECKPOINTS, COMMITTED, LATEST, MANIFEST, RANK_REPORTS, TRAINER_STATE,
+                                    checkpoint_dir, parse_step_dir)
+from .storage import Store, UploadError, atomic_write
 
 log = logging.getLogger(__name__)
 
 # One process without a process group is a supported way to run; DCP need not say so.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-MARKER = layout.COMMITTED
-MANIFEST = layout.MANIFEST
-STATE = "trainer_state.json"
 
 
 @dataclass(frozen=True)
@@ -52,75 +55,7 @@ class TrainerState:
     lr_scheduler: str
 
 
-class LocalCheckpointDir:
-    """Checkpoints in a local (or shared) directory."""
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-
-    def path(self, step: int) -> Path:
-        return self.root / layout.step_dir(step)
-
-    def steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        found = (layout.parse_step_dir(p.name) for p in self.root.iterdir() if p.is_dir())
-        return sorted(step for step in found if step is not None)
-
-    def is_committed(self, step: int) -> bool:
-        return (self.path(step) / MARKER).is_file()
-
-    def verify(self, step: int) -> str | None:
-        """None when the checkpoint is complete, else why it is not."""
-        d = self.path(step)
-        if not (d / MARKER).is_file():
-            return "no commit marker"
-        try:
-            manifest = json.loads((d / MANIFEST).read_text())
-        except (OSError, ValueError) as err:
-            return f"unreadable manifest ({err})"
-        for rel, size in manifest.get("files", {}).items():
-            f = d / rel
-            if not f.is_file() or f.stat().st_size != size:
-                return f"file {rel} missing or of the wrong size"
-        return None
-
-    def prepare(self, step: int) -> Path:
-        """An empty directory for step ``step`` (a stale uncommitted one is cleared first)."""
-        d = self.path(step)
-        if d.exists():
-            shutil.rmtree(d)
-        d.mkdir(parents=True)
-        return d
-
-    def commit(self, step: int) -> None:
-        d = self.path(step)
-        files = {
-            str(p.relative_to(d)): p.stat().st_size for p in sorted(d.rglob("*")) if p.is_file() and p.name != MARKER
-        }
-        atomic_write(d / MANIFEST, json.dumps({"step": step, "files": files}, indent=1))
-        atomic_write(d / MARKER, f"{step}\n")
-
-    def prune(self, keep: int) -> list[int]:
-        """Delete committed checkpoints beyond the newest ``keep`` and stale partial ones."""
-        committed = [s for s in self.steps() if self.verify(s) is None]
-        if not committed:
-            return []
-        newest = committed[-1]
-        doomed = [s for s in committed[:-keep]] + [s for s in self.steps() if s < newest and s not in committed]
-        for s in doomed:
-            shutil.rmtree(self.path(s), ignore_errors=True)
-        return sorted(doomed)
-
-
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write ``path`` so that a reader sees the old file or the whole new one, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data.encode() if isinstance(data, str) else data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+# --------------------------------------------------------------------------- shards (DCP)
 
 
 def _options(strict: bool = True) -> StateDictOptions:
@@ -129,49 +64,30 @@ def _options(strict: bool = True) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
 
-def save(store: LocalCheckpointDir, model, optimizer, state: TrainerState, rank: int, keep: int) -> Path:
-    """Collective: every rank writes its shards; rank 0 commits and prunes."""
-    d = store.prepare(state.step) if rank == 0 else store.path(state.step)
-    dist_utils.barrier()
-    write_shards(d, model, optimizer)
-    dist_utils.barrier()
+def host_stager() -> DefaultStager:
+    """Copies shards into host buffers kept from one save to the next (pinned when a GPU
+    is there), so only the first save pays for allocating them. A buffer is reused only
+    after the previous save's write has finished (``Checkpointer.save`` waits for it)."""
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stager: DefaultStager,
+                group=None) -> Future:
+    """Collective: copy this rank's shards to host memory (the only blocking part) and
+    write them into ``d`` in a background thread; the future ends when every rank's
+    shards are on disk. ``group`` must be a CPU (gloo) group that training does not use,
+    since its collectives run beside the training step's. Rank 0 also writes the state."""
     if rank == 0:
-        write_state(d, state)
-        store.commit(state.step)
-        pruned = store.prune(keep)
-        if pruned:
-            log.info("pruned checkpoints %s", pruned)
-    dist_utils.barrier()
-    return d
-
-
-def find_resumable(store: LocalCheckpointDir) -> int | None:
-    """The newest complete checkpoint, skipping (and reporting) incomplete ones."""
-    for step in reversed(store.steps()):
-        why = store.verify(step)
-        if why is None:
-            return step
-        log.warning("ignoring checkpoint %s: %s", store.path(step), why)
-    return None
-
-
-def load(store: LocalCheckpointDir, step: int, model, optimizer) -> TrainerState:
-    return load_dir(store.path(step), model, optimizer)
-
-
-def write_shards(d: Path, model, optimizer) -> None:
-    """Collective: every rank writes its DCP shards of model and optimizer into ``d``."""
+        atomic_write(d / TRAINER_STATE, json.dumps(asdict(state), indent=1))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d))
-
-
-def write_state(d: Path, state: TrainerState) -> None:
-    atomic_write(d / STATE, json.dumps(asdict(state), indent=1))
+    return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d), process_group=group,
+                          async_stager=stager)
 
 
 def load_dir(d: Path, model, optimizer) -> TrainerState:
     """Collective: load a complete checkpoint directory into model and optimizer (resharding)."""
-    state = TrainerState(**json.loads((d / STATE).read_text()))
+    state = TrainerState(**json.loads((d / TRAINER_STATE).read_text()))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     target = {"model": model_sd, "optim": optim_sd}
     dcp.load(target, checkpoint_id=str(d))
@@ -180,34 +96,87 @@ def load_dir(d: Path, model, optimizer) -> TrainerState:
     return state
 
 
-class LocalCheckpoints:
-    """The Checkpointer for a local (or shared) output directory: synchronous saves."""
+# --------------------------------------------------------------------------- commit protocol
 
-    def __init__(self, root: Path, rank: int, keep: int):
-        self.store = LocalCheckpointDir(root)
-        self.rank, self.keep = rank, keep
-        self.where = str(root)
-        self.on_commit: Callable[[int], None] | None = None  # called with the step once committed
 
-    def resumable(self) -> int | None:
-        step = find_resumable(self.store) if self.rank == 0 else None
-        return dist_utils.broadcast_object(step)
+def report(store: Store, step: int, rank: int, attempt: str, files: dict[str, int],
+           deadline: float | None = None) -> None:
+    """Say which files this rank published for ``step`` (in this attempt)."""
+    mine = {k: v for k, v in files.items() if not k.startswith(f"{RANK_REPORTS}/")}  # a peer's report, in place
+    body = json.dumps({"attempt": attempt, "files": mine}).encode()
+    store.put_bytes(f"{checkpoint_dir(step)}/{RANK_REPORTS}/rank-{rank}.json", body, deadline)
 
-    def load(self, step: int, model, optimizer) -> TrainerState:
-        return load(self.store, step, model, optimizer)
 
-    def save(self, model, optimizer, state: TrainerState, final: bool = False,  # noqa: ARG002
-             until: float | None = None, stopping=None) -> float:  # noqa: ARG002
-        """Returns the seconds training was blocked (saves here are synchronous)."""
-        t0 = time.perf_counter()
-        save(self.store, model, optimizer, state, self.rank, self.keep)
-        if self.on_commit is not None:
-            self.on_commit(state.step)
-        return time.perf_counter() - t0
+def gather_reports(store: Store, step: int, attempt: str, world: int, deadline: float) -> dict[str, int]:
+    """Rank 0: wait until every rank reported ``step`` in this attempt; all their files.
 
-    def wait(self, raise_errors: bool = True, until: float | None = None) -> int | None:  # noqa: ARG002
-        """Step of the newest committed checkpoint (saves here are synchronous)."""
-        return None
+    Reports left by an earlier attempt at the same step do not count, so a checkpoint
+    is never committed with shards from a run that died half-way."""
+    rel = f"{checkpoint_dir(step)}/{RANK_REPORTS}"
+    while True:
+        reports = []
+        for name in store.list(rel):
+            if not name.endswith(".json"):  # a report being written in place (its .tmp)
+                continue
+            body = json.loads(store.get_bytes(f"{rel}/{name}") or b"{}")
+            if body.get("attempt") == attempt:
+                reports.append(body["files"])
+        if len(reports) == world:
+            return {path: size for files in reports for path, size in files.items()}
+        if time.monotonic() > deadline:
+            raise UploadError(f"{rel}: only {len(reports)} of {world} ranks published their shards in time")
+        time.sleep(0.2)
 
-    def location(self, step: int) -> str:
-        return str(self.store.path(step))
+
+def commit(store: Store, step: int, files: dict[str, int], deadline: float | None = None) -> None:
+    """Rank 0: manifest, then the marker, then ``latest``: the marker is the commit."""
+    rel = checkpoint_dir(step)
+    store.put_bytes(f"{rel}/{MANIFEST}", json.dumps({"step": step, "files": files}, indent=1).encode(), deadline)
+    store.put_bytes(f"{rel}/{COMMITTED}", f"{step}\n".encode(), deadline)
+    store.put_bytes(f"{CHECKPOINTS}/{LATEST}", f"{step}\n".encode(), deadline)
+
+
+def steps(store: Store) -> list[int]:
+    """Every step with anything under checkpoints/, committed or not, newest first."""
+    found = {step for name in store.list(CHECKPOINTS)
+             if "/" in name and (step := parse_step_dir(name.split("/", 1)[0])) is not None}
+    return sorted(found, reverse=True)
+
+
+def verify(store: Store, step: int) -> str | None:
+    """None when the checkpoint is complete, else why it is not."""
+    objects = store.list(checkpoint_dir(step))
+    if COMMITTED not in objects:
+        return "no commit marker"
+    try:
+        files = json.loads(store.get_bytes(f"{checkpoint_dir(step)}/{MANIFEST}") or b"")["files"]
+    except (ValueError, KeyError, TypeError) as err:
+        return f"unreadable manifest ({err})"
+    for rel, size in files.items():
+        if objects.get(rel) != size:
+            return f"file {rel} missing or of the wrong size"
+    return None
+
+
+def find_resumable(store: Store) -> int | None:
+    """The newest checkpoint that verifies, whatever ``latest`` says: ``latest`` is for
+    people and tools, and an upload abandoned at a stop deadline could still move it
+    back if its process lived on."""
+    for step in steps(store):
+        why = verify(store, step)
+        if why is None:
+            return step
+        log.warning("ignoring checkpoint %s/%s: %s", store.uri, checkpoint_dir(step), why)
+    return None
+
+
+def prune(store: Store, newest: int, keep: int) -> list[int]:
+    """Only after ``newest`` committed: drop committed ones beyond the newest ``keep``
+    and the partial ones older than ``newest``. Newer ones (another save) are left."""
+    older = [s for s in steps(store) if s < newest]
+    committed = [s for s in older if verify(store, s) is None]
+    kept = set(committed[: max(keep - 1, 0)])
+    doomed = [s for s in older if s not in kept]
+    for s in doomed:
+        store.delete_dir(checkpoint_dir(s))
+    return sorted(doomed)

@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, merge: bool, rank: int,
            base_model_ref: str | None = None) -> Path | None:
-    """Collective (every rank joins the gather); rank 0 writes the exports under the output
-    directory ``out``. Returns the final model dir.
+    """Collective (every rank joins the gather); rank 0 writes the exports into ``out``, the
+    exports directory (layout.HF): ``final`` and, for LoRA, ``adapter``. Returns the final
+    model dir.
 
     ``base_model_path`` is where the base model lies on this node (maybe a cache of an
     s3:// model); ``base_model_ref`` is what the user named, recorded in the adapter's
@@ -32,11 +33,11 @@ def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, mer
     if rank != 0:
         return None
     if not is_lora:
-        final = _fresh(out / layout.HF_FINAL)
+        final = _fresh(out / layout.FINAL)
         model.save_pretrained(final, state_dict=full_sd, safe_serialization=True)
         tokenizer.save_pretrained(final)
         return final
-    adapter = _fresh(out / layout.HF_ADAPTER)
+    adapter = _fresh(out / layout.ADAPTER)
     model.save_pretrained(adapter, state_dict=full_sd, safe_serialization=True)
     tokenizer.save_pretrained(adapter)
     if base_model_ref:
@@ -53,7 +54,7 @@ def export(model, tokenizer, out: Path, base_model_path: str, is_lora: bool, mer
 
     base = AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    final = _fresh(out / layout.HF_FINAL)
+    final = _fresh(out / layout.FINAL)
     merged.save_pretrained(final, safe_serialization=True)
     tokenizer.save_pretrained(final)
     return final

@@ -1,82 +1,77 @@
-"""The run's output location: a local directory or an s3:// prefix, one interface.
+"""The run's outputs: one ``storage.Store`` (a local directory or an s3:// prefix) and
+the layout (``layout``) the operator and users read.
 
-Files are always produced on local disk first (``local``); for an s3:// output they are
-then published under the same relative path, so both layouts are identical
-(sftjob_contract.layout): ``metrics.jsonl``, ``checkpoints/step-<N>/``, ``hf/final``, ``hf/adapter``.
+Files are produced on local disk first (``Store.local_path``) and then published under
+the same relative path, so both kinds of output look the same: ``metrics.jsonl``,
+``checkpoints/step-<N>/``, ``cache/``, ``hf/final``, ``hf/adapter``.
 """
 from __future__ import annotations
 
 import logging
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 
-from sftjob_contract import layout
-
-from .checkpoint import LocalCheckpoints, atomic_write
-from .storage import S3Prefix, is_s3, local_root
+from . import dist as dist_utils
+from .checkpointer import Checkpointer
+from sftjob_contract.layout import CACHE, METRICS_FILE
+from .storage import Store, atomic_write, fresh_dir, open_store
 
 log = logging.getLogger(__name__)
 
 
 class Outputs:
-    def __init__(self, output_dir: str, rank: int, world: int, keep: int, upload_deadline_s: float):
-        self.uri = output_dir.rstrip("/")
-        self.remote = is_s3(output_dir)
-        self.rank = rank
-        if self.remote:
-            from .s3checkpoint import S3Checkpoints
+    def __init__(self, store: Store, rank: int, world: int, keep: int, upload_deadline_s: float):
+        self.store, self.rank = store, rank
+        self.checkpoints = Checkpointer(store, rank, world, keep, upload_deadline_s)
 
-            self.local = local_root(self.uri)
-            self.s3 = S3Prefix(self.uri, deadline_s=upload_deadline_s)
-            self.checkpoints = S3Checkpoints(self.uri, self.local, rank, world, keep, upload_deadline_s)
-        else:
-            self.local = Path(output_dir)
-            self.s3 = None
-            self.checkpoints = LocalCheckpoints(self.local / layout.CHECKPOINTS, rank, keep)
+    @classmethod
+    def open(cls, output_dir: str, rank: int, world: int, keep: int, upload_deadline_s: float) -> Outputs:
+        return cls(open_store(output_dir.rstrip("/"), upload_deadline_s), rank, world, keep, upload_deadline_s)
 
     def location(self, rel: str) -> str:
-        return f"{self.uri}/{rel}"
+        return f"{self.store.uri}/{rel}"
 
     # The data scan cache (data.ScanCache): derived files under cache/, only ever a shortcut.
 
     def get(self, name: str) -> bytes | None:
         try:
-            if self.remote:
-                return self.s3.get_bytes(f"{layout.CACHE}/{name}")
-            path = self.local / layout.CACHE / name
-            return path.read_bytes() if path.exists() else None
+            return self.store.get_bytes(f"{CACHE}/{name}")
         except Exception as err:  # noqa: BLE001 - without the cache the scan just runs again
-            log.warning("cannot read cache/%s (%s); recomputing it", name, err)
+            log.warning("cannot read %s/%s (%s); recomputing it", CACHE, name, err)
             return None
 
     def put(self, name: str, data: bytes) -> None:
         try:
-            if self.remote:
-                self.s3.put_bytes(f"{layout.CACHE}/{name}", data)
-                return
-            path = self.local / layout.CACHE / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(path, data)
+            self.store.put_bytes(f"{CACHE}/{name}", data)
         except Exception as err:  # noqa: BLE001
-            log.warning("cannot write cache/%s (%s); the next start scans the data again", name, err)
+            log.warning("cannot write %s/%s (%s); the next start scans the data again", CACHE, name, err)
+
+    # metrics.jsonl: appended locally by rank 0, published after each checkpoint and at the end.
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.store.local_path(METRICS_FILE)
 
     def restore_metrics(self) -> None:
-        """Continue the remote metrics.jsonl after a restart instead of starting a new one."""
-        if not (self.remote and self.rank == 0):
+        """Rank 0: continue the published metrics.jsonl after a restart instead of starting a new one."""
+        if self.rank != 0:
             return
-        text = self.s3.get_text(layout.METRICS_FILE)
-        path = self.local / layout.METRICS_FILE
+        body = self.store.get_bytes(METRICS_FILE)
+        path = self.metrics_path
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text or "")
+        atomic_write(path, body or b"")
 
     def publish_metrics(self) -> None:
-        if self.remote and self.rank == 0 and (self.local / layout.METRICS_FILE).exists():
-            self.s3.upload_file(self.local / layout.METRICS_FILE, layout.METRICS_FILE)
+        if self.rank == 0 and self.metrics_path.exists():
+            self.store.publish_file(self.metrics_path, METRICS_FILE)
 
-    def publish_dir(self, rel: str) -> str:
-        """Upload ``local/rel`` (rank 0's export) and return its final location."""
-        if self.remote and self.rank == 0:
-            self.s3.delete_dir(rel)
-            self.s3.upload_dir(self.local / rel, rel)
-            shutil.rmtree(self.local / rel, ignore_errors=True)
+    def write_dir(self, rel: str, write: Callable[[Path], object]) -> str:
+        """Collective: every rank calls ``write`` with a fresh local directory; rank 0's
+        content then replaces ``rel``. Returns the published location."""
+        staged = fresh_dir(self.store.local_path(rel))
+        dist_utils.barrier()  # no rank writes before every rank has cleared its copy
+        write(staged)
+        if self.rank == 0:
+            self.store.publish_dir(staged, rel, replace=True)
+        dist_utils.barrier()
         return self.location(rel)

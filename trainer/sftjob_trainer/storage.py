@@ -1,18 +1,25 @@
-"""Where bytes live: a local directory or an s3:// prefix.
+"""Where bytes live: a local directory or an s3:// prefix, behind one ``Store`` protocol.
 
 Everything that reads or writes outside the process goes through here, so the rest of
-the trainer never branches on the URI scheme.
+the trainer never branches on the URI scheme: ``open_store`` is the one place that does.
+Files are produced on local disk first (``local_path``) and then published under the same
+relative path; for a local store without scratch space ``local_path`` is the target itself
+and publishing only lists what is there.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
+from typing import ContextManager, Protocol
 from urllib.parse import urlparse
 
 from pyarrow import fs as pafs
@@ -54,8 +61,134 @@ def parquet_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.LocalFileSystem(), os.path.abspath(uri)
 
 
-# --------------------------------------------------------------------------- S3 objects
+# --------------------------------------------------------------------------- the protocol
 
+
+class Store(Protocol):
+    """Objects under one root, addressed by paths relative to it ("checkpoints/step-3/x").
+
+    ``deadline`` (a ``time.monotonic()`` time) bounds a write's retries; a store that
+    cannot hang may ignore it.
+    """
+
+    uri: str
+
+    def local_path(self, rel: str, rank: int | None = None) -> Path:
+        """Where this process writes what it will publish at ``rel`` (per ``rank`` when
+        ranks of one node must not share the directory). Nothing is created."""
+
+    def publish_dir(self, staged: Path, rel: str, deadline: float | None = None,
+                    replace: bool = False) -> dict[str, int]:
+        """Make ``staged``'s files the objects under ``rel/`` (``replace``: drop what else
+        was there) and give up ``staged``; returns {path under rel: size}."""
+
+    def publish_file(self, staged: Path, rel: str, deadline: float | None = None) -> None:
+        """Copy one local file to ``rel``; ``staged`` stays."""
+
+    def put_bytes(self, rel: str, body: bytes, deadline: float | None = None) -> None: ...
+
+    def get_bytes(self, rel: str) -> bytes | None:
+        """The object's bytes, None when there is none."""
+
+    def list(self, rel: str) -> dict[str, int]:
+        """{path relative to ``rel``: size} of every object under ``rel/``."""
+
+    def delete_dir(self, rel: str) -> None: ...
+
+    def read_dir(self, rel: str, key: str) -> ContextManager[Path]:
+        """A local directory holding ``rel/`` while the context lasts (one copy per node and
+        ``key``; no copy at all for a local store)."""
+
+
+def open_store(uri: str, deadline_s: float = 600.0) -> Store:
+    """The store for a ``trainer.output_dir``: the one place that looks at the scheme."""
+    return S3Prefix(uri, deadline_s=deadline_s) if is_s3(uri) else LocalDir(Path(uri))
+
+
+def fresh_dir(path: Path) -> Path:
+    """``path`` as an empty directory. Every rank may call it at once on a shared path,
+    provided none writes there before they all returned (a barrier)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data.encode() if isinstance(data, str) else data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- a local directory
+
+
+class LocalDir:
+    """A local (or shared) directory as a Store.
+
+    Without ``scratch`` files are written in place, so publishing costs nothing. With it,
+    each rank stages under ``scratch/rank-<r>`` and publishing moves the files over, just
+    as an S3 upload would: the tests run the S3 checkpoint logic this way.
+    """
+
+    def __init__(self, root: Path, scratch: Path | None = None):
+        self.root, self.scratch = Path(root), scratch
+        self.uri = str(root).rstrip("/")
+
+    def local_path(self, rel: str, rank: int | None = None) -> Path:
+        if self.scratch is None:
+            return self.root / rel
+        return self.scratch / (rel if rank is None else f"rank-{rank}/{rel}")
+
+    def publish_dir(self, staged: Path, rel: str, deadline: float | None = None,  # noqa: ARG002
+                    replace: bool = False) -> dict[str, int]:
+        target = self.root / rel
+        if staged.resolve() == target.resolve():
+            return self.list(rel)
+        if replace:
+            shutil.rmtree(target, ignore_errors=True)
+        files = sorted(p for p in staged.rglob("*") if p.is_file())
+        published = {str(f.relative_to(staged)): f.stat().st_size for f in files}  # this rank's, not its peers'
+        for f in files:
+            dest = target / f.relative_to(staged)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(f, dest)
+        shutil.rmtree(staged, ignore_errors=True)
+        return published
+
+    def publish_file(self, staged: Path, rel: str, deadline: float | None = None) -> None:  # noqa: ARG002
+        target = self.root / rel
+        if staged.resolve() != target.resolve():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(staged, target)
+
+    def put_bytes(self, rel: str, body: bytes, deadline: float | None = None) -> None:  # noqa: ARG002
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, body)
+
+    def get_bytes(self, rel: str) -> bytes | None:
+        path = self.root / rel
+        return path.read_bytes() if path.is_file() else None
+
+    def list(self, rel: str) -> dict[str, int]:
+        base = self.root / rel
+        if not base.is_dir():
+            return {}
+        return {str(p.relative_to(base)): p.stat().st_size for p in sorted(base.rglob("*")) if p.is_file()}
+
+    def delete_dir(self, rel: str) -> None:
+        shutil.rmtree(self.root / rel, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def read_dir(self, rel: str, key: str) -> Iterator[Path]:  # noqa: ARG002
+        yield self.root / rel
+
+
+# --------------------------------------------------------------------------- S3 objects
 
 
 class UploadError(RuntimeError):
@@ -69,7 +202,8 @@ class S3Prefix:
     has a deadline, so a stalled store fails the operation loudly instead of hanging.
     """
 
-    def __init__(self, uri: str, attempts: int = 5, deadline_s: float = 600.0, workers: int = 8):
+    def __init__(self, uri: str, attempts: int = 5, deadline_s: float = 600.0, workers: int = 8,
+                 scratch: Path | None = None):
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -83,9 +217,35 @@ class S3Prefix:
             config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=60),
         )
         self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
+        self.scratch = scratch or local_root(self.uri)  # node-local staging for what gets uploaded
 
     def key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    # The Store protocol on top of the object operations below.
+
+    def local_path(self, rel: str, rank: int | None = None) -> Path:
+        return self.scratch / (rel if rank is None else f"rank-{rank}/{rel}")
+
+    def publish_dir(self, staged: Path, rel: str, deadline: float | None = None,
+                    replace: bool = False) -> dict[str, int]:
+        if replace:
+            self.delete_dir(rel)
+        files = self.upload_dir(staged, rel, deadline)
+        shutil.rmtree(staged, ignore_errors=True)
+        return files
+
+    def publish_file(self, staged: Path, rel: str, deadline: float | None = None) -> None:
+        self.upload_file(staged, rel, deadline)
+
+    @contextlib.contextmanager
+    def read_dir(self, rel: str, key: str) -> Iterator[Path]:
+        # Keyed (by the run's attempt), so a copy left on the node by an earlier run is never reused.
+        dest = fetch_once(f"{self.uri}/{rel}", self.scratch / "restore" / key / rel)
+        try:
+            yield dest
+        finally:
+            shutil.rmtree(self.scratch / "restore" / key, ignore_errors=True)
 
     def _retry(self, what: str, fn, deadline: float | None = None):
         deadline = deadline or (time.monotonic() + self.deadline_s)

@@ -62,9 +62,8 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.cfg, self.world, self.stop = cfg, world, stop
-        self.outputs = Outputs(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
-                               cfg.trainer.upload_timeout_s)
-        self.output = self.outputs.local
+        self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
+                                    cfg.trainer.upload_timeout_s)
         try:
             self.model_path = model_path = local_model_path(cfg.model.path)
         except Exception as err:  # noqa: BLE001 - any failure to fetch the model is a config problem
@@ -102,7 +101,7 @@ class Trainer:
         # Clock of trainer.save_interval_s: the last committed checkpoint, or now (rank 0's counts).
         self.last_save_time = time.monotonic()
         # Started after the resume so a scrape never sees step 0 of a resumed run.
-        self.metrics = Metrics(self.output / layout.METRICS_FILE if world.is_main else None,
+        self.metrics = Metrics(self.outputs.metrics_path if world.is_main else None,
                                cfg.trainer.metrics_port if world.is_main else 0)
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
@@ -145,7 +144,7 @@ class Trainer:
         self.last_committed = self.state.step
         self.last_save_time = time.monotonic()
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
-                 "" if final or not self.outputs.remote else " (uploading in the background)")
+                 "" if final else " (committing in the background)")
         self.metrics.gauge(checkpoint_save_seconds=blocked)
         self.outputs.publish_metrics()
 
@@ -277,19 +276,14 @@ class Trainer:
     def export(self) -> str:
         unwrap(self.model).config.use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
-        export(self.model, self.tokenizer, self.output, self.model_path, lora, self.cfg.lora.merge_on_export,
-               self.world.rank, base_model_ref=str(self.cfg.model.path))
-        if lora:
-            self.outputs.publish_dir(layout.HF_ADAPTER)
-        final = layout.exported_model(lora, self.cfg.lora.merge_on_export)
-        if final == layout.HF_FINAL:
-            self.outputs.publish_dir(final)
+        self.outputs.write_dir(layout.HF, lambda d: export(self.model, self.tokenizer, d, self.model_path, lora,
+                                                    self.cfg.lora.merge_on_export, self.world.rank,
+                                                    base_model_ref=str(self.cfg.model.path)))
         self.outputs.publish_metrics()
-        dist_utils.barrier()
-        return self.outputs.location(final)
+        return self.outputs.location(layout.exported_model(lora, self.cfg.lora.merge_on_export))
 
     def close(self, linger_s: float = 0.0) -> None:
-        self.checkpoints.wait(raise_errors=False)
+        self.checkpoints.close()
         for ds in (self.train_ds, self.val_ds):
             if ds is not None:
                 ds.close()

@@ -1,0 +1,51 @@
+"""Stage 4: evict one training pod through the Eviction API (as a cluster draining a node
+would), show the operator's gang restart, and find where the new gang resumed."""
+from __future__ import annotations
+
+import json
+import time
+
+from hack import localcluster
+from hack.localcluster.kube import ApiError
+
+from demo.context import Ctx, status, wait_for
+
+
+def preempt(ctx: Ctx, job: dict) -> dict:
+    """Evict node-1 now; returns the facts the summary and the resume check need."""
+    out, a = ctx.out, ctx.args
+    st = status(job)
+    victim, rank0 = f"{a.job}-node-1", f"{a.job}-node-0"
+    ckpt = st["progress"].get("lastCheckpointStep")
+    ctx.summary.setdefault("pods", {})["trainer"] = ctx.runs_as(a.namespace, rank0)
+    out.stage(4, f"Preempting {victim} mid-run (eviction through the API, as a cluster would)")
+    uid0 = ctx.kube.get(f"/api/v1/namespaces/{a.namespace}/pods/{rank0}")["metadata"]["uid"]
+    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": victim, "namespace": a.namespace}}
+    ctx.kubectl("create", "--raw", f"/api/v1/namespaces/{a.namespace}/pods/{victim}/eviction", "-f", "-",
+                input=json.dumps(body),
+                show=f"kubectl create --raw /api/v1/namespaces/{a.namespace}/pods/{victim}/eviction -f eviction.json")
+    out.say(f"evicted at step {st['progress'].get('step')} (last committed checkpoint: step {ckpt})")
+    # The operator restarts the whole gang: wait for its verdict and show it.
+    j = wait_for(lambda: (x := ctx.get_job()) and (status(x).get("restarts") or {}).get("preemptions", 0) >= 1 and x,
+                 180, "the operator to count the preemption")
+    cond = next((c for c in status(j).get("conditions", []) if c["type"] == "Restarting"), None)
+    if cond:
+        out.say(f"condition Restarting={cond['status']} reason={cond['reason']}: {cond.get('message', '')}")
+    ctx.show_events(last=4)
+    return {"pod": victim, "at_step": st["progress"].get("step"), "checkpoint_step": ckpt,
+            "attempt_before": st.get("attempt", 0), "rank0": rank0, "rank0_uid": uid0, "time": time.time()}
+
+
+def resumed_line(ctx: Ctx, pre: dict) -> str | None:
+    """The "resumed from" line of the re-created rank-0 pod's log (kubectl logs)."""
+    ns = ctx.args.namespace
+    try:
+        uid = ctx.kube.get(f"/api/v1/namespaces/{ns}/pods/{pre['rank0']}")["metadata"]["uid"]
+    except ApiError:
+        return None
+    if uid == pre["rank0_uid"]:
+        return None
+    for line in localcluster.pod_log(ns, pre["rank0"], "trainer", cfg=ctx.cfg).splitlines():
+        if "resumed from" in line:
+            return line[line.index("resumed from"):].strip()
+    return None
