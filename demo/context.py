@@ -9,15 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hack.localcluster.kube import ApiError, Kube
+from hack.localcluster.kube import RESTRICTED, ApiError, Kube, ensure_namespace
 
 from demo import prom as promlib
 from demo.ui import Out
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP_PATH = "/apis/sftjob.io/v1alpha1"
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
-              "pod-security.kubernetes.io/enforce-version": "latest"}
 
 
 def shown(path: Path) -> Path:
@@ -96,20 +94,9 @@ class Ctx:
 
     def ensure_namespace(self, name: str) -> None:
         try:
-            self.kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                                    "metadata": {"name": name, "labels": RESTRICTED}})
-        except ApiError as e:
-            if e.status != 409:
-                raise
-            self.kube.merge_patch(f"/api/v1/namespaces/{name}", {"metadata": {"labels": RESTRICTED}})
-        deadline = time.time() + 60
-        while time.time() < deadline:  # pods are refused until the default ServiceAccount exists
-            try:
-                self.kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default")
-                return
-            except ApiError:
-                time.sleep(0.5)
-        raise SystemExit(f"no default ServiceAccount in {name} after 60 s")
+            ensure_namespace(self.kube, name, RESTRICTED)
+        except TimeoutError as e:
+            raise SystemExit(str(e)) from None
 
     def runs_as(self, ns: str, pod: str) -> dict:
         """Which image a running pod's first container runs (the runtime's imageID) and as

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from hack import localcluster
-from hack.localcluster.kube import ApiError, Kube
+from hack.localcluster.kube import RESTRICTED, ApiError, Kube, ensure_namespace
 from hack.localcluster.logtap import LogTap
 
 from .faults import Injector, wait_for
@@ -27,8 +27,6 @@ EXAMPLE = REPO / "examples" / "sftjob.yaml"
 CHART = REPO / "charts" / "sftjob-operator"
 CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
 JOBS = "/apis/sftjob.io/v1alpha1/namespaces/{ns}/sftjobs"
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
-              "pod-security.kubernetes.io/enforce-version": "latest"}
 METRICS_PORT = 9400
 
 
@@ -72,15 +70,6 @@ class Ctx:
             raise
 
 
-def ensure_namespace(ctx: Ctx, name: str) -> None:
-    try:
-        ctx.kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                               "metadata": {"name": name, "labels": RESTRICTED}})
-    except ApiError as e:
-        if e.status != 409:
-            raise
-    wait_for(lambda: ctx.kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), 60,
-             f"the default ServiceAccount in {name}")
 
 
 def values_keys() -> set[str]:
@@ -90,7 +79,7 @@ def values_keys() -> set[str]:
 def install_operator(ctx: Ctx) -> None:
     a = ctx.args
     for ns in (a.system_namespace, a.namespace):
-        ensure_namespace(ctx, ns)
+        ensure_namespace(ctx.kube, ns, RESTRICTED)
     ctx.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
     ctx.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
     existed = ctx.helm("status", a.release, "-n", a.system_namespace, check=False).returncode == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 import ssl
 import urllib.parse
 from typing import Any, Iterator
@@ -114,3 +115,32 @@ class Kube:
                 yield line
         finally:
             conn.close()
+
+
+# Pod Security Admission's strictest level: the namespaces the demo and chaos runs create
+# prove that the trainer and operator pods need no privilege.
+RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted",
+              "pod-security.kubernetes.io/enforce-version": "latest"}
+
+
+def ensure_namespace(kube: Kube, name: str, labels: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+    """Create namespace `name` with `labels` (or give an existing one those labels), then wait
+    for its default ServiceAccount: the API server refuses pods until the controller made it.
+    Raises TimeoutError when it does not appear within `timeout` seconds."""
+    labels = RESTRICTED if labels is None else labels
+    try:
+        kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
+                                           "metadata": {"name": name, "labels": labels}})
+    except ApiError as e:
+        if e.status != 409:
+            raise
+        kube.merge_patch(f"/api/v1/namespaces/{name}", {"metadata": {"labels": labels}})
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default")
+            return
+        except ApiError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no default ServiceAccount in namespace {name} after {timeout:.0f} s") from None
+            time.sleep(0.5)
