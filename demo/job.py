@@ -118,9 +118,11 @@ def _watch(ctx: Ctx) -> tuple[dict, dict, dict | None, str | None]:
             out.say(f"no progress for 3 minutes; `kubectl -n {a.namespace} describe sft {a.job}` and "
                     f"`kubectl -n {a.namespace} logs {a.job}-node-0` say why (is another sftjob-operator, e.g. one "
                     f"started with --all-namespaces by a test, acting on this job too?)")
-        if pre is None and st.get("phase") == "Running" and (prog.get("lastCheckpointStep") or 0) >= ctx.preempt_after:
-            pre = preemption.preempt(ctx, job)
-            last_key = None
+        if pre is None and st.get("phase") == "Running":
+            seen = preemption.rank0_log_progress(ctx)
+            if max(prog.get("lastCheckpointStep") or 0, seen[0]) >= ctx.preempt_after:
+                pre = preemption.preempt(ctx, job, seen)
+                last_key = None
         if pre is not None and resume is None:
             resume = preemption.resumed_line(ctx, pre)
             if resume:

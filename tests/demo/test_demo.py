@@ -89,6 +89,9 @@ def test_demo_runs_end_to_end(demo, cluster):
     assert s["progress"]["step"] == STEPS
     # The gang resumed from a committed checkpoint, not from scratch.
     assert s["preemption"]["resume_step"] >= s["preemption"]["checkpoint_step"] > 0, s["preemption"]
+    # ... mid-run: the restarted gang still had steps to train (an eviction after the last
+    # step would show neither preemption nor resume at work).
+    assert s["preemption"]["resume_step"] < STEPS, s["preemption"]
     assert "resumed from" in s["resume_line"]
     if STEPS == EXAMPLE_STEPS:  # the example's whole run: the prompts shown are answered (as test_demo_answers checks)
         assert all(g["correct"] for g in s["generations"]), s["generations"]
