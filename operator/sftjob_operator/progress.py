@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Callable, Hashable
 
 import aiohttp
@@ -97,6 +98,18 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] |
         return None
 
 
+def next_wait(wait: float, interval: float, answered: bool, elapsed: float) -> float:
+    """Seconds until the next read of an endpoint. An endpoint that answered, or failed at
+    once (connection refused: a trainer still loading its model and data has not opened its
+    port yet), is read again after `interval`, so its first steps show within one interval.
+    Only one that made the read wait (no answer until a timeout: a vanished pod, a black
+    hole) is backed off, doubling up to MAX_BACKOFF_S, since each such read holds one of the
+    MAX_CONCURRENT slots for seconds."""
+    if answered or elapsed < CONNECT_TIMEOUT_S / 2:
+        return interval
+    return min(MAX_BACKOFF_S, wait * 2)
+
+
 class Scraper:
     """Reads each running job's rank-0 endpoint every SCRAPE_INTERVAL_S in the background.
 
@@ -134,12 +147,11 @@ class Scraper:
     async def _loop(self, key: Hashable, url: str) -> None:
         wait = self.interval
         while True:
+            started = time.monotonic()
             async with self.slots:
                 reading = await scrape(self.session, url)
-            if reading is None:
-                wait = min(MAX_BACKOFF_S, wait * 2)
-            else:
-                wait = self.interval
+            wait = next_wait(wait, self.interval, reading is not None, time.monotonic() - started)
+            if reading is not None:
                 if reading != self.latest.get(key):
                     self.latest[key] = reading
                     self.on_change(key)

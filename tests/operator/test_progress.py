@@ -124,3 +124,55 @@ def test_scraper_never_makes_a_caller_wait_on_an_endpoint():
             assert not scraper.tasks
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("wait, answered, elapsed, expected", [
+    (5.0, True, 0.01, 5.0),      # answered: the normal interval
+    (20.0, True, 2.9, 5.0),      # answered slowly after back-off: back to the interval
+    (5.0, False, 0.01, 5.0),     # refused at once (port not open yet): no back-off
+    (5.0, False, 1.0, 10.0),     # no answer until the connect timeout: back off
+    (10.0, False, 3.0, 20.0),
+    (20.0, False, 3.0, progress.MAX_BACKOFF_S),  # capped
+])
+def test_next_wait_backs_off_only_for_endpoints_that_make_the_read_wait(wait, answered, elapsed, expected):
+    assert progress.next_wait(wait, 5.0, answered, elapsed) == expected
+
+
+def test_a_trainer_that_opens_its_port_late_is_read_within_an_interval():
+    """A trainer loads its model and data before it serves metrics; its refused reads must not
+    push the first reading of its steps back by the whole back-off (they did: 20 s, so a
+    short run showed no step until it had finished)."""
+    from aiohttp import web
+
+    async def main():
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        changed = []
+        async with aiohttp.ClientSession() as session:
+            scraper = progress.Scraper(session, on_change=changed.append, interval=0.2)
+            scraper.want("job", "uid-1", f"http://127.0.0.1:{port}/metrics")
+            # Refused reads for 3.5 s: with back-off (0.4, 0.8, 1.6, 3.2 s) the next read would
+            # come only at 6 s; at the interval it comes within 0.2 s of the port opening.
+            await asyncio.sleep(3.5)
+
+            async def serve(request):
+                return web.Response(text=TEXT)
+
+            app = web.Application()
+            app.router.add_get("/metrics", serve)
+            runner = web.AppRunner(app, shutdown_timeout=0.2)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            try:
+                t0 = time.monotonic()
+                while not changed and time.monotonic() - t0 < 1.0:
+                    await asyncio.sleep(0.05)
+                assert changed == ["job"], "the endpoint was not read within 1 s of opening its port"
+            finally:
+                scraper.close()
+                await runner.cleanup()
+
+    asyncio.run(main())
