@@ -8,7 +8,7 @@ import time
 
 STAGES = 7
 TTY = sys.stdout.isatty()
-WIDTHS = (12, 11, 8, 8, 9, 6)
+WIDTHS = (12, 11, 27, 8, 9, 10)  # NAME PHASE REASON STEP LOSS RESTARTS (AGE last)
 
 
 class Out:
@@ -68,4 +68,6 @@ def row(table: str, header: bool = False) -> str:
     starts = [m.start() for m in re.finditer(r"\S+", lines[0])]
     line = lines[0] if header else lines[1]
     cells = [line[s:e].strip() for s, e in zip(starts, starts[1:] + [None])]
-    return "".join(c.ljust(w) for c, w in zip(cells, WIDTHS + (0,) * len(cells))).rstrip()
+    # a cell wider than its column still gets one space after it
+    return "".join(c.ljust(w) if len(c) < w else c + " "
+                   for c, w in zip(cells, WIDTHS + (0,) * len(cells))).rstrip()

@@ -49,6 +49,21 @@ def test_rows_of_separate_kubectl_calls_line_up():
     assert r1.index("0") == head.index("RESTARTS")
 
 
+def test_rows_keep_columns_apart_whatever_the_reason():
+    """`kubectl get sft` has a REASON column whose values (RestartingAfterPreemption) are
+    longer than any other cell: rows printed from different calls still line up and never
+    run two cells together."""
+    a = ("NAME        PHASE      REASON                      STEP    LOSS     RESTARTS   AGE\n"
+         "tiny-lora   Restarting RestartingAfterPreemption   10/40   1.2094   1          20s\n")
+    b = ("NAME        PHASE     REASON           STEP    LOSS     RESTARTS   AGE\n"
+         "tiny-lora   Running   AllPodsRunning   13/40   1.2094   1          34s\n")
+    head, r1, r2 = ui.row(a, header=True), ui.row(a), ui.row(b)
+    assert r1.split() == ["tiny-lora", "Restarting", "RestartingAfterPreemption", "10/40", "1.2094", "1", "20s"]
+    assert r2.split() == ["tiny-lora", "Running", "AllPodsRunning", "13/40", "1.2094", "1", "34s"]
+    for col in ("STEP", "LOSS", "RESTARTS", "AGE"):
+        assert r1[head.index(col)] != " " and r2[head.index(col)] != " ", (col, head, r1, r2)
+
+
 def test_grafana_variables_expand_like_an_all_selection():
     e = 'sum by (cause) (increase(x{sftjob=~"$sftjob"}[$__rate_interval])) + y{j=~"${sftjob}"}'
     assert prom.grafana_expand(e, {"sftjob": ".*"}) == \
