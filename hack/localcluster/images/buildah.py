@@ -30,6 +30,20 @@ def _storage_image_id(ref: str) -> str | None:
     return "sha256:" + res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else None
 
 
+def drop_previous_build(ref: str, logfile: Path) -> None:
+    """Remove the image `ref` names in buildah's storage before it is built again. Only its own
+    top layers go (for the trainer, the 5 GB copy of the virtual environment when the
+    requirements changed); the intermediate images that are the build cache stay. Without this
+    every rebuild left the previous final image behind, untagged, for good."""
+    old = _storage_image_id(ref)
+    if old:
+        res = subprocess.run([need("buildah"), "rmi", "--force", old.removeprefix("sha256:")],
+                             capture_output=True, text=True)
+        with logfile.open("a") as f:
+            f.write(f"$ buildah rmi --force {old} (the previous build of {ref}): exit {res.returncode}\n"
+                    f"{res.stdout}{res.stderr}")
+
+
 def _image_id(iidfile: Path) -> str:
     iid = iidfile.read_text().strip()
     return iid if iid.startswith("sha256:") else "sha256:" + iid

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from .buildah import archive_image_id, build_base, build_bud, build_pause, buildah_env, ensure_in_storage
+from .buildah import (archive_image_id, build_base, build_bud, build_pause, buildah_env, drop_previous_build,
+                      ensure_in_storage)
 from .keys import input_key
 from .spec import BUDS, NAMES, ImageRef, ImagesError, cache_dir, image_refs
 from .tools import human, log, need, run
@@ -121,9 +122,10 @@ def build(names: Iterable[str] = NAMES, *, refs: Mapping[str, str] | None = None
                 log(f"{name}: {img.ref} up to date ({human(img.size)}, key {key})")
                 out[name] = img
                 continue
+            logfile.write_text("")
             if name in BUDS:
                 ensure_in_storage(out["base"], logfile, verbose)
-            logfile.write_text("")
+                drop_previous_build(refs[name], logfile)
             log(f"{name}: building {refs[name]} (key {key}; log {logfile})")
             started = time.monotonic()
             with tempfile.TemporaryDirectory(dir=cache, prefix=f".work-{name}-") as work:
