@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hack.localcluster.kube import RESTRICTED, ApiError, Kube, ensure_namespace
+from hack.localcluster.kube import ApiError, Kube, ensure_namespace
 
 from demo import prom as promlib
 from demo.ui import Out
@@ -94,7 +94,7 @@ class Ctx:
 
     def ensure_namespace(self, name: str) -> None:
         try:
-            ensure_namespace(self.kube, name, RESTRICTED)
+            ensure_namespace(self.kube, name)
         except TimeoutError as e:
             raise SystemExit(str(e)) from None
 

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from hack import localcluster
-from hack.localcluster.kube import RESTRICTED, ApiError, Kube, ensure_namespace
+from hack.localcluster.kube import ApiError, Kube, ensure_namespace
 from hack.localcluster.logtap import LogTap
 
 from .faults import Injector, wait_for
@@ -79,7 +79,7 @@ def values_keys() -> set[str]:
 def install_operator(ctx: Ctx) -> None:
     a = ctx.args
     for ns in (a.system_namespace, a.namespace):
-        ensure_namespace(ctx.kube, ns, RESTRICTED)
+        ensure_namespace(ctx.kube, ns)
     ctx.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
     ctx.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
     existed = ctx.helm("status", a.release, "-n", a.system_namespace, check=False).returncode == 0

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hack.localcluster.kube import RESTRICTED
 from tests.fixtures.cluster import wait_for
 
 from .chart_kit import CHART, CRD_SOURCE, REPO, render_text
@@ -36,7 +37,6 @@ from .rbac_needs import NEEDS, ProbeContext, refused, sa_kube
 pytestmark = pytest.mark.cluster
 EXAMPLE = REPO / "examples" / "sftjob.yaml"
 CRD_NAME = "sftjobs.sftjob.io"
-RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}
 # The chart's trainer.image must reach the pods: the locally built trainer image, given this
 # name on every node (nothing is pulled here).
 TRAINER_IMAGE = "registry.example/sftjob/trainer:e2e"

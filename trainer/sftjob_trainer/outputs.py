@@ -11,9 +11,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from sftjob_contract.layout import CACHE, METRICS_FILE
+
 from . import dist as dist_utils
 from .checkpointer import Checkpointer
-from sftjob_contract.layout import CACHE, METRICS_FILE
 from .storage import Store, atomic_write, fresh_dir, open_store
 
 log = logging.getLogger(__name__)
