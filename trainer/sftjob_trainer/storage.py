@@ -279,19 +279,12 @@ class S3Prefix:
         self._retry(f"put {self.uri}/{rel}",
                     lambda: self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body), deadline)
 
-    def put_text(self, rel: str, text: str, deadline: float | None = None) -> None:
-        self.put_bytes(rel, text.encode(), deadline)
-
     def get_bytes(self, rel: str) -> bytes | None:
         try:
             obj = self.client.get_object(Bucket=self.bucket, Key=self.key(rel))
         except self.client.exceptions.NoSuchKey:
             return None
         return obj["Body"].read()
-
-    def get_text(self, rel: str) -> str | None:
-        body = self.get_bytes(rel)
-        return None if body is None else body.decode()
 
     def list(self, rel: str) -> dict[str, int]:
         """{path relative to ``rel``: size} of every object under ``rel/``."""
