@@ -6,8 +6,10 @@
 #
 # Each component lands in ${SFTJOB_CACHE:-$HOME/.cache/sftjob}/<name>-<version>/bin and is
 # marked complete with a .built stamp written last, so an interrupted build is redone and a
-# finished one is never rebuilt. Go's own module and build caches (GOMODCACHE/GOCACHE) stay at
-# Go's defaults so that every checkout of the repo on this machine shares them.
+# finished one is never rebuilt. Go's module and build caches (GOMODCACHE/GOCACHE) are private
+# to the run, under $CACHE/.go, and removed once every component asked for is built: they
+# would keep about 11 GB (Kubernetes' sources and objects) that no later run needs, on a disk
+# that must also hold the node images. A failed run keeps them for its retry.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -234,7 +236,11 @@ for c in "${components[@]}"; do cached "$c" || all_cached=0; done
 [[ $all_cached == 1 ]] && exit 0
 exec 9>"$CACHE/.build.lock"
 flock 9
+export GOCACHE="$CACHE/.go/build" GOMODCACHE="$CACHE/.go/mod"
 for c in "${components[@]}"; do
   dir_of "$c" >/dev/null
   "build_$c"
 done
+go clean -modcache   # its files are read-only: rm alone would fail
+rm -rf "$CACHE/.go"
+log "removed Go's module and build caches ($CACHE/.go)"

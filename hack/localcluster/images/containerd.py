@@ -1,6 +1,11 @@
 """Loading the node images into a containerd: each image is streamed to `ctr images import`
-as an OCI layout without the layers that containerd already holds, and skipped when it holds
-the image, unpacked, with the same config digest."""
+as an OCI layout without the layers that containerd already holds (as blobs or as unpacked
+snapshots), and skipped when it holds the image, unpacked, with the same config digest.
+
+Once unpacked, an image's layer blobs are removed from the content store, as the CRI's
+`discard_unpacked_layers` does for pulled images: a node runs containers from its snapshots
+only, and keeping the blobs as well would hold the trainer's 5.5 GB twice on every node.
+The image stays usable (`ctr images check` calls it incomplete, unpacked)."""
 from __future__ import annotations
 
 import contextlib
@@ -24,16 +29,55 @@ def _ctr(address: str, namespace: str, *args: str) -> str:
 
 
 def _ready_images(address: str, namespace: str, snapshotter: str | None = None) -> dict[str, str]:
-    """ref -> manifest digest of the images that are complete and unpacked (for the default
-    snapshotter, or `snapshotter`)."""
+    """ref -> manifest digest of the images that are unpacked (for the default snapshotter, or
+    `snapshotter`): what a container can start from, whether or not their layer blobs are
+    still in the content store."""
     extra = ["--snapshotter", snapshotter] if snapshotter else []
-    ready = set(_ctr(address, namespace, "images", "check", "-q", *extra).split())
     out = {}
-    for line in _ctr(address, namespace, "images", "ls").splitlines()[1:]:
+    # REF TYPE DIGEST STATUS SIZE UNPACKED; STATUS and SIZE hold spaces, UNPACKED is last
+    for line in _ctr(address, namespace, "images", "check", *extra).splitlines()[1:]:
         fields = line.split()
-        if len(fields) >= 3 and fields[0] in ready:
+        if len(fields) >= 4 and fields[-1] == "true":
             out[fields[0]] = fields[2]
     return out
+
+
+def _chain_ids(diff_ids: list[str]) -> list[str]:
+    """The OCI chain ID of each layer: the name its unpacked snapshot has in containerd."""
+    chain: list[str] = []
+    for d in diff_ids:
+        chain.append(d if not chain else "sha256:" + hashlib.sha256(f"{chain[-1]} {d}".encode()).hexdigest())
+    return chain
+
+
+def _archive_layers(archive: Path) -> tuple[bytes, list[tuple[str, tarfile.TarInfo]]]:
+    """The config (bytes) and the layers (digest, tar member) of the docker-archive's image.
+    c/image names a docker-archive's layers by their digest (uncompressed: the diff ID)."""
+    with tarfile.open(archive) as src:
+        entry = json.load(src.extractfile("manifest.json"))[0]  # type: ignore[arg-type]
+        config = src.extractfile(entry["Config"]).read()  # type: ignore[union-attr]
+        return config, [("sha256:" + name.removesuffix(".tar"), src.getmember(name)) for name in entry["Layers"]]
+
+
+def _held_layers(address: str, namespace: str, config: bytes, snapshotter: str | None) -> set[str]:
+    """The digests of the image's layers that this containerd needs not be sent: those in its
+    content store, and those whose snapshot (by chain ID) it has unpacked already."""
+    have = set(_ctr(address, namespace, "content", "ls", "-q").split())
+    extra = ["--snapshotter", snapshotter] if snapshotter else []
+    snapshots = {line.split()[0] for line in _ctr(address, namespace, "snapshots", *extra, "ls").splitlines()[1:]
+                 if line.strip()}
+    diff_ids = json.loads(config)["rootfs"]["diff_ids"]
+    return have | {d for d, chain in zip(diff_ids, _chain_ids(diff_ids)) if chain in snapshots}
+
+
+def discard_unpacked_layers(address: str, namespace: str, layers: Iterable[str]) -> int:
+    """Remove these layer blobs from the content store (their snapshots stay); returns how
+    many were there."""
+    present = set(_ctr(address, namespace, "content", "ls", "-q").split())
+    gone = [d for d in layers if d in present]
+    if gone:
+        _ctr(address, namespace, "content", "rm", *gone)
+    return len(gone)
 
 
 def _config_digest(address: str, namespace: str, manifest_digest: str) -> str | None:
@@ -52,14 +96,8 @@ def _oci_layout(archive: Path, ref: str, have: set[str], out) -> int:
     docker-archive `archive`, named `ref` for containerd, leaving out the layer blobs whose
     digests are in `have` (the containerd holds them; its unpacker reuses them). The config is
     copied byte for byte, so the image ID stays. Returns the bytes of layers written."""
+    config, layers = _archive_layers(archive)
     with tarfile.open(archive) as src:
-        entry = json.load(src.extractfile("manifest.json"))[0]  # type: ignore[arg-type]
-        config = src.extractfile(entry["Config"]).read()  # type: ignore[union-attr]
-        layers = []
-        for name in entry["Layers"]:
-            # c/image names a docker-archive's layers by their digest (uncompressed: the diff ID)
-            member = src.getmember(name)
-            layers.append(("sha256:" + name.removesuffix(".tar"), member))
         manifest = json.dumps({
             "schemaVersion": 2, "mediaType": OCI_MANIFEST,
             "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
@@ -93,9 +131,10 @@ def _oci_layout(archive: Path, ref: str, have: set[str], out) -> int:
 
 def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None) -> int:
     """ctr images import of img, sending only the layers this containerd lacks (an edited
-    source changes the trainer's last, small layer, not its GBs of requirements). Returns
-    the bytes of layers sent."""
-    have = set(_ctr(address, namespace, "content", "ls", "-q").split())
+    source changes the trainer's last, small layer, not its GBs of requirements), then the
+    removal of its layer blobs once unpacked. Returns the bytes of layers sent."""
+    config, layers = _archive_layers(img.archive)
+    have = _held_layers(address, namespace, config, snapshotter)
     extra = ["--snapshotter", snapshotter] if snapshotter else []
     cmd = [need("ctr"), "--address", address, "-n", namespace, "images", "import", *extra, "-"]
     with tempfile.TemporaryFile() as err:
@@ -112,7 +151,12 @@ def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None
         err.seek(0)
         if rc != 0 or sent < 0:
             why = err.read().decode(errors="replace")[-4000:]
+            if "no space left on device" in why:
+                why += (f"\nthe disk of {address}'s containerd is full: unpacking {img.ref} needs about "
+                        f"{human(img.size)} more")
             raise ImagesError(f"{' '.join(cmd)} < {img.archive} failed (exit {rc}): {why}")
+    if img.ref in _ready_images(address, namespace, snapshotter):
+        discard_unpacked_layers(address, namespace, [d for d, _ in layers])
     return sent
 
 
@@ -157,6 +201,8 @@ def load(address: str, namespace: str = "k8s.io", names: Iterable[str] = NODE_IM
         digest = ready.get(img.ref)
         if digest and _config_digest(address, namespace, digest) == img.image_id:
             result[name] = "present"
+            # a store filled before layers were discarded after unpacking sheds them now
+            discard_unpacked_layers(address, namespace, [d for d, _ in _archive_layers(img.archive)[1]])
             continue
         t0 = time.monotonic()
         sent = _import(address, namespace, img, snapshotter)
