@@ -17,9 +17,11 @@ RNG: the trainer reseeds every step from (seed, step, rank), so the step number 
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import re
+import shutil
 import time
 import warnings
 from concurrent.futures import Future
@@ -28,11 +30,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sftjob_contract.layout import (CHECKPOINTS, COMMITTED, LATEST, MANIFEST, RANK_REPORTS, TRAINER_STATE,
                                     checkpoint_dir, parse_step_dir)
+from .errors import TrainerError
 from .storage import Store, UploadError, atomic_write
 
 log = logging.getLogger(__name__)
@@ -72,17 +76,60 @@ def host_stager() -> DefaultStager:
                                         use_async_staging=False, use_non_blocking_copy=False))
 
 
+FULL_BELOW = 2 * 2**20  # bytes free under which a failed write is put down to a full disk
+
+
+class CheckpointIOError(TrainerError):
+    """A checkpoint's shards could not be written or read, with each rank's cause."""
+
+
+def io_error(action: str, d: Path, err: BaseException) -> CheckpointIOError:
+    """``err`` as a plain error naming ``d``, each failed rank's cause and a full disk.
+    torch.distributed.checkpoint raises CheckpointException, a BaseException that would pass
+    every ``except Exception`` and end the rank with a raw traceback and no reason."""
+    failures = getattr(err, "failures", None)  # CheckpointException: rank -> (exception, stack)
+    causes = {r: (f[0] if isinstance(f, tuple) else f) for r, f in sorted(failures.items())} \
+        if isinstance(failures, dict) else {None: err}
+    parts = [f"{'' if r is None else f'rank {r}: '}{type(c).__name__}: {c}" for r, c in causes.items()]
+    msg = f"{action} {d} failed: {'; '.join(parts)}"
+    where = next((p for p in (d, *d.parents) if p.exists()), Path("/"))
+    # torch's file writer can report a full disk as a bare "unexpected pos": judge by the disk too
+    if (any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes.values())
+            or shutil.disk_usage(where).free < FULL_BELOW):
+        msg += (f" (the file system holding {d} is full: {shutil.disk_usage(where).free // 2**20} MiB free; "
+                "give it more space, or keep fewer checkpoints with trainer.keep_checkpoints)")
+    return CheckpointIOError(msg)
+
+
+def _plain_errors(written: Future, d: Path) -> Future:
+    """A future of ``written`` that fails with io_error()'s error instead of dcp's."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(f.result())
+        except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+            out.set_exception(io_error("writing checkpoint", d, e))
+
+    written.add_done_callback(done)
+    return out
+
+
 def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stager: DefaultStager,
                 group=None) -> Future:
     """Collective: copy this rank's shards to host memory (the only blocking part) and
     write them into ``d`` in a background thread; the future ends when every rank's
     shards are on disk. ``group`` must be a CPU (gloo) group that training does not use,
     since its collectives run beside the training step's. Rank 0 also writes the state."""
-    if rank == 0:
-        atomic_write(d / TRAINER_STATE, json.dumps(asdict(state), indent=1))
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-    return dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d), process_group=group,
-                          async_stager=stager)
+    try:
+        if rank == 0:
+            atomic_write(d / TRAINER_STATE, json.dumps(asdict(state), indent=1))
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
+        written = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d), process_group=group,
+                                 async_stager=stager)
+    except (OSError, CheckpointException) as e:  # dcp's planning collectives raise the latter
+        raise io_error("writing checkpoint", d, e) from None
+    return _plain_errors(written, d)
 
 
 def load_dir(d: Path, model, optimizer) -> TrainerState:
@@ -90,7 +137,10 @@ def load_dir(d: Path, model, optimizer) -> TrainerState:
     state = TrainerState(**json.loads((d / TRAINER_STATE).read_text()))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     target = {"model": model_sd, "optim": optim_sd}
-    dcp.load(target, checkpoint_id=str(d))
+    try:
+        dcp.load(target, checkpoint_id=str(d))
+    except CheckpointException as e:
+        raise io_error("reading checkpoint", d, e) from None
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
                    options=_options(strict=False))
     return state

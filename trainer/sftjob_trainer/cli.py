@@ -51,14 +51,19 @@ def setup_logging() -> None:
 
 
 def write_termination_message(message: str) -> None:
-    """One line for `kubectl describe` and the operator; never raises."""
+    """One line for `kubectl describe` and the operator; never raises. Appended, in one
+    write: the ranks of a pod share the file, and the launcher keeps the first line, the
+    first failure (the others' are often only its echo, a peer's closed connection)."""
     path = os.environ.get(E.TERMINATION_LOG) or exits.TERMINATION_LOG
     line = message.replace("\n", " ")[:4000]
     try:
         if path == exits.TERMINATION_LOG and not os.access(path, os.W_OK):
             return
-        with open(path, "w") as fh:
-            fh.write(line + "\n")
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
     except OSError:
         pass
 

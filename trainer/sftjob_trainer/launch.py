@@ -85,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     code = proc.wait()
     message = ""
     try:
-        with open(worker_log) as fh:
-            message = fh.read().strip()
+        with open(worker_log) as fh:  # the first rank's line to arrive: the first failure
+            message = next((line.strip() for line in fh if line.strip()), "")
         os.unlink(worker_log)
     except OSError:
         pass
