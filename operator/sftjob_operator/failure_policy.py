@@ -18,12 +18,21 @@ lose their collective and exit with a generic error a moment later. Such a gener
 beside a preemption is the preemption's consequence and is counted as that preemption; a
 deterministic failure still wins over everything.
 
+A machine that dies is the hard case: the survivors fail within seconds, while the dead
+node's pod still reads Running and its Node Ready until the node controller's grace period
+(40-50 s) has passed. So a generic failure beside a peer that still "runs" is judged by the
+peer node's heartbeat, its Lease in kube-node-lease, which a live kubelet renews every quarter
+of the Lease's duration (`settle_generic_failure`): renewed after the failure, the node is
+alive and the failure counts as one; silent for the Lease's whole duration, the node is lost
+and the gang restarts as a preemption; in between, the verdict waits.
+
 Exit codes and the termination message follow docs/trainer-contract.md.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Iterable
 
 from sftjob_contract import exits
@@ -228,6 +237,58 @@ def judge_gang(outcomes: dict[int, PodOutcome | None], nodes: int) -> GangVerdic
         return GangVerdict(Verdict.STARTING, stuck_reason=stuck[1].reason,
                            stuck_message=f"rank {stuck[0]}: {stuck[1].message}" if stuck[1].message else "")
     return GangVerdict(Verdict.RUNNING)
+
+
+@dataclass(frozen=True)
+class NodeLease:
+    """A node's heartbeat: the Lease its kubelet renews every `duration_s` / 4 seconds."""
+
+    renewed: datetime
+    duration_s: float
+
+
+# finishedAt has whole seconds: a renewal less than this after it may still predate the failure
+LEASE_CLOCK_SLACK_S = 1.0
+
+
+def _finished_at(pod: dict[str, Any] | None) -> datetime | None:
+    term = _terminated(pod) if pod else None
+    try:
+        return datetime.fromisoformat(term["finishedAt"]) if term and term.get("finishedAt") else None
+    except ValueError:
+        return None
+
+
+def settle_generic_failure(outcomes: dict[int, PodOutcome | None], pods: dict[int, dict[str, Any]],
+                           leases: dict[str, NodeLease], now: datetime) -> tuple[dict[int, PodOutcome | None], float]:
+    """A generic failure (exit 1..127, not deterministic) beside peers that still run: is each
+    such peer's node alive? Returns the outcomes with every peer whose node has not renewed its
+    Lease for the Lease's whole duration since the failure turned PREEMPTED (its machine is
+    gone: the failure was its echo), and how many seconds to wait before the verdict when a
+    peer's node has not renewed since the failure yet but may still (0: judge now). A peer whose
+    node's Lease is unknown (not read, or RBAC forbids it) is taken as alive."""
+    generic = [r for r, o in outcomes.items()
+               if o and o.state is State.FAILED and not o.permanent and o.exit_code is not None and 0 < o.exit_code < 128]
+    times = [t for r in generic if (t := _finished_at(pods.get(r))) is not None]
+    if not times:
+        return outcomes, 0.0
+    failed_at = min(times)
+    out, hold = dict(outcomes), 0.0
+    for r, o in outcomes.items():
+        node = ((pods.get(r) or {}).get("spec") or {}).get("nodeName", "")
+        lease = leases.get(node)
+        if not o or o.state is not State.RUNNING or lease is None:
+            continue
+        if (lease.renewed - failed_at).total_seconds() > LEASE_CLOCK_SLACK_S:
+            continue  # renewed after the failure: the node is alive
+        silent = (now - lease.renewed).total_seconds()
+        if silent >= lease.duration_s:
+            out[r] = PodOutcome(State.PREEMPTED, c.REASON_NODE_LEASE_EXPIRED,
+                                f"node {node} has not renewed its Lease for {silent:.0f}s (duration "
+                                f"{lease.duration_s:.0f}s): its machine or kubelet is gone")
+        else:
+            hold = max(hold, lease.duration_s - silent)
+    return out, hold
 
 
 def restart_delay(base_seconds: float, restarts_so_far: int) -> float:

@@ -196,18 +196,21 @@ async def _scheduler(rt: Runtime) -> None:
 
 
 def _rank0(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
-    attempt = str(status.parse(body.get("status")).attempt)
-    for p in pods:
-        lab = p["metadata"].get("labels", {})
-        if lab.get(builders.LABEL_RANK) == "0" and lab.get(builders.LABEL_ATTEMPT) == attempt:
-            return p
-    return None
+    attempt = status.parse(body.get("status")).attempt
+    return next((p for p in pods if builders.pod_attempt(p) == attempt
+                 and p["metadata"].get("labels", {}).get(builders.LABEL_RANK) == "0"), None)
 
 
 async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[str, Any]]):
     nodes = {p["spec"].get("nodeName") for p in pods
              if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") in ("Pending", "Running")}
     node_ready = await rt.kube.node_ready(nodes) if nodes else {}
+    # A failed rank beside running ones: their nodes' heartbeats tell a failure from the echo
+    # of a dead machine (failure_policy.settle_generic_failure). Read only then.
+    failed = any((p.get("status") or {}).get("phase") == "Failed" for p in pods)
+    running = {p["spec"].get("nodeName") for p in pods
+               if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") == "Running"}
+    leases = await rt.kube.node_leases(running) if failed and running else {}
     scraped = None
     rank0 = _rank0(body, pods)
     running = rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP")
@@ -216,7 +219,7 @@ async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[
         scraped = rt.scraper.want(key, rank0["metadata"]["uid"], url)
     elif rt.scraper is not None:
         rt.scraper.forget(key)
-    return node_ready, scraped
+    return node_ready, leases, scraped
 
 
 async def reconcile_job(rt: Runtime, namespace: str, name: str, from_handler: bool = False) -> None:
@@ -253,8 +256,8 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         rt.phases.set(key, None)
         return None
     pods = await rt.kube.list_pods(namespace, name)
-    node_ready, scraped = await _observe(rt, key, body, pods)
-    plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped)
+    node_ready, leases, scraped = await _observe(rt, key, body, pods)
+    plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped, node_leases=leases)
     rejection = await _apply(rt, key, body, plan)
     if rejection is not None:
         # The API server refused a pod: decide again with that knowledge (fail naming the
@@ -263,7 +266,7 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         if body is None:
             return plan
         pods = await rt.kube.list_pods(namespace, name)
-        plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection)
+        plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection, leases)
         await _apply(rt, key, body, plan)
     return plan
 

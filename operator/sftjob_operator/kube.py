@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from datetime import datetime
 from typing import Any
 
 import kubernetes
@@ -16,6 +17,9 @@ from kubernetes.client.exceptions import ApiException
 
 from . import api
 from .builders import LABEL_JOB
+from .failure_policy import NodeLease
+
+NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each kubelet renews the Lease named like its node
 
 
 # (connect, read) seconds for every API call: a call that hangs (a half-open connection, an
@@ -46,8 +50,10 @@ class Kube:
         self.client = client
         self.core = kubernetes.client.CoreV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
+        self.coordination = kubernetes.client.CoordinationV1Api(client)
         self._nodes: dict[str, tuple[float, bool | None]] = {}
         self._nodes_forbidden = False
+        self._leases_forbidden = False
 
     @staticmethod
     async def _call(fn, *args, **kwargs) -> Any:
@@ -148,6 +154,28 @@ class Kube:
         except ApiException as err:
             if err.status != 404:
                 raise
+
+    async def node_leases(self, names: set[str]) -> dict[str, NodeLease]:
+        """The heartbeat Lease (kube-node-lease) of the given nodes; a node without one, or all
+        of them when RBAC forbids reading (`rbac.readNodes`), is left out."""
+        out: dict[str, NodeLease] = {}
+        if self._leases_forbidden:
+            return out
+        for name in names:
+            try:
+                lease = await self._call(self.coordination.read_namespaced_lease, name, NODE_LEASE_NAMESPACE)
+            except ApiException as err:
+                if err.status == 403:
+                    self._leases_forbidden = True
+                    return {}
+                continue
+            spec = lease.get("spec") or {}
+            try:
+                renewed = datetime.fromisoformat(spec["renewTime"])
+                out[name] = NodeLease(renewed=renewed, duration_s=float(spec.get("leaseDurationSeconds") or 40))
+            except (KeyError, TypeError, ValueError):
+                continue
+        return out
 
     async def node_ready(self, names: set[str]) -> dict[str, bool]:
         """Ready condition of the given nodes (cached 5 s); empty when RBAC forbids reading."""

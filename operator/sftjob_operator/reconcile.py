@@ -42,18 +42,8 @@ TERMINAL = ("Succeeded", "Failed")
 PROGRESS_INTERVAL_S = 15.0
 STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
 STALE_POLL_S = 2.0           # while old pods finish terminating
+SETTLE_POLL_S = 2.0          # while a failure waits for a peer node's heartbeat (settle_generic_failure)
 QUOTA_RETRY_S = 10.0         # how often a gang waiting for namespace quota is tried again
-
-
-def _pod_attempt(pod: dict[str, Any]) -> int:
-    try:
-        return int(pod["metadata"].get("labels", {}).get(builders.LABEL_ATTEMPT, "-1"))
-    except ValueError:
-        return -1
-
-
-def _pod_rank(pod: dict[str, Any]) -> int:
-    return int(pod["metadata"]["labels"][builders.LABEL_RANK])
 
 
 class _Pass:
@@ -61,7 +51,7 @@ class _Pass:
 
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], now: datetime,
                  node_ready: dict[str, bool] | None, metrics: dict[str, float] | None,
-                 rejection: Rejection | None = None):
+                 rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None):
         self.body = body
         self.meta = body["metadata"]
         self.job = builders.JobRef.from_body(body)
@@ -72,6 +62,7 @@ class _Pass:
                                             for o in p["metadata"].get("ownerReferences") or [])]
         self.now = now
         self.node_ready = node_ready or {}
+        self.node_leases = node_leases or {}
         self.metrics = metrics
         self.rejection = rejection
         self.queued = False   # the current gang waits for Kueue's admission (judge)
@@ -170,8 +161,8 @@ class _Pass:
 
     def active(self) -> None:
         attempt = self.st.attempt
-        current = {_pod_rank(p): p for p in self.pods if _pod_attempt(p) == attempt}
-        old_gang = [p for p in self.pods if _pod_attempt(p) != attempt]
+        current = {builders.pod_rank(p): p for p in self.pods if builders.pod_attempt(p) == attempt}
+        old_gang = [p for p in self.pods if builders.pod_attempt(p) != attempt]
         rp = self.spec.run_policy
         # Checked before anything else waits: a gang stuck terminating ends at the deadline too.
         left = deadlines.active_left(parse_time(self.st.start_time), rp.active_deadline_seconds, self.now)
@@ -272,7 +263,12 @@ class _Pass:
         self.queued = self.track_admission(current)
         outcomes = {r: fp.classify_pod(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", "")))
                     for r, p in current.items()}
+        outcomes, settle_s = fp.settle_generic_failure(outcomes, current, self.node_leases, self.now)
         verdict = fp.judge_gang(outcomes, nodes)
+        if verdict.verdict is fp.Verdict.RESTART_FAILED and settle_s > 0:
+            # a peer's node has not shown a heartbeat since: a failure, or a dead machine's echo?
+            self.requeue(min(settle_s, SETTLE_POLL_S))
+            return
         rp = self.spec.run_policy
         if verdict.verdict is fp.Verdict.FAILED:
             self.fail(verdict.reason, f"{verdict.message} (a deterministic error: the trainer exited 2, and "
@@ -392,8 +388,10 @@ class _Pass:
 
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,
          node_ready: dict[str, bool] | None = None, metrics: dict[str, float] | None = None,
-         rejection: Rejection | None = None) -> Plan:
+         rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None) -> Plan:
     """Decide what to do for one SFTJob given its pods (see module docstring).
 
-    `rejection`: the API server refused to create a pod of the current attempt."""
-    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics, rejection).run()
+    `rejection`: the API server refused to create a pod of the current attempt.
+    `node_leases`: the heartbeats of the nodes of running pods, read when a rank has failed
+    (failure_policy.settle_generic_failure)."""
+    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics, rejection, node_leases).run()

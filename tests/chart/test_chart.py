@@ -166,7 +166,8 @@ def test_replicas_elect_a_leader_with_a_disruption_budget():
     assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
     assert "--no-leader-elect" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "affinity" not in dep["spec"]["template"]["spec"]
-    assert not find(off, "Role") and not find(off, "RoleBinding")
+    assert not find(off, "Role", "sftjob-sftjob-operator-leader-election")
+    assert not find(off, "RoleBinding", "sftjob-sftjob-operator-leader-election")
     res = helm("template", "x", "CHART", "--set", "leaderElection.enabled=false", check=False)
     assert res.returncode != 0 and "replicaCount > 1 needs leaderElection.enabled" in res.stderr, res.stderr
     res = helm("template", "x", "CHART", "--set", "leaderElection.renewDeadlineSeconds=15", check=False)
@@ -176,7 +177,7 @@ def test_replicas_elect_a_leader_with_a_disruption_budget():
 def test_rbac_grants_exactly_the_needed_verbs():
     cluster_docs = render()
     (role,) = find(cluster_docs, "ClusterRole")
-    (lease_role,) = find(cluster_docs, "Role")
+    (lease_role,) = find(cluster_docs, "Role", "sftjob-sftjob-operator-leader-election")
     assert granted(role["rules"]) == set(NEEDS) - LEASE_KEYS, "chart rules and tests/chart/rbac_needs.py disagree"
     # One rule per resource, so that removing any one rule removes one capability.
     assert all(len(r["resources"]) == 1 and len(r["apiGroups"]) == 1 for r in role["rules"] + lease_role["rules"])
@@ -190,18 +191,27 @@ def test_rbac_grants_exactly_the_needed_verbs():
     assert granted(lease_role["rules"]) == LEASE_KEYS
     assert sorted((r["verbs"], r.get("resourceNames")) for r in lease_role["rules"]) == [
         (["create"], None), (["get", "update"], ["sftjob-sftjob-operator"])]
-    (lease_binding,) = find(cluster_docs, "RoleBinding")
+    (lease_binding,) = find(cluster_docs, "RoleBinding", "sftjob-sftjob-operator-leader-election")
     assert lease_binding["roleRef"]["name"] == lease_role["metadata"]["name"]
     assert lease_binding["subjects"] == binding["subjects"]
+    # Node heartbeats: read-only, only in kube-node-lease, only with rbac.readNodes.
+    (beats,) = find(cluster_docs, "Role", "sftjob-sftjob-operator-node-heartbeats")
+    assert beats["metadata"]["namespace"] == "kube-node-lease"
+    assert beats["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get"]}]
+    (beats_binding,) = find(cluster_docs, "RoleBinding", "sftjob-sftjob-operator-node-heartbeats")
+    assert beats_binding["metadata"]["namespace"] == "kube-node-lease"
+    assert beats_binding["roleRef"]["name"] == beats["metadata"]["name"]
+    assert beats_binding["subjects"] == binding["subjects"]
+    assert not find(render({"rbac.readNodes": "false"}), "Role", "sftjob-sftjob-operator-node-heartbeats")
     # Namespace-scoped: the same verbs, but namespaced resources only through Roles.
     docs = render(NAMESPACED)
     (crole,) = find(docs, "ClusterRole")
     assert {r["resources"][0] for r in crole["rules"]} == {"customresourcedefinitions", "nodes"}
-    roles = [r for r in find(docs, "Role") if not r["metadata"]["name"].endswith("-leader-election")]
+    roles = [r for r in find(docs, "Role") if not r["metadata"]["name"].endswith(("-leader-election", "-node-heartbeats"))]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for r in roles:
         assert granted(r["rules"]) | granted(crole["rules"]) | LEASE_KEYS == set(NEEDS)
-    assert len(find(docs, "RoleBinding")) == 3
+    assert len(find(docs, "RoleBinding")) == 4
     assert not LEASE_KEYS & granted(one(render({"leaderElection.enabled": "false", "replicaCount": "1"}),
                                         "ClusterRole")["rules"])
     # Options: nodes off; finalizers on (OwnerReferencesPermissionEnforcement clusters).

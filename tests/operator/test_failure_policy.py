@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from .op_testkit import job_body, pods_for, terminated
@@ -126,3 +127,58 @@ def test_waiting_pods_say_why():
     verdict = fp.judge_gang({0: fp.classify_pod(unsched), 1: R}, nodes=2)
     assert (verdict.stuck_reason, verdict.stuck_message) == (
         "Unschedulable", "rank 0: 0/2 nodes are available: 2 Insufficient cpu.")
+
+
+# -- a generic failure beside a peer that still "runs": the peer node's Lease decides -------------
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def _on(pod, node):
+    pod = copy.deepcopy(pod)
+    pod["spec"]["nodeName"] = node
+    return pod
+
+
+def _failed_at(exit_code, at, message="TrainingError: RuntimeError: Connection closed by peer"):
+    pod = _on(terminated(POD, exit_code, message), "node-b")
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = at.isoformat().replace("+00:00", "Z")
+    return pod
+
+
+def _lease(renewed_s):
+    return fp.NodeLease(renewed=T0 + timedelta(seconds=renewed_s), duration_s=40)
+
+
+@pytest.mark.parametrize("failed_exit, lease_renewed_s, now_s, peer, hold, verdict", [
+    # node-a renewed 3 s after rank 1 failed: alive, so the failure is a failure
+    (1, 3, 5, fp.State.RUNNING, 0.0, fp.Verdict.RESTART_FAILED),
+    # node-a last renewed 2 s before the failure and it is 5 s later: wait for its next renewal
+    (1, -2, 5, fp.State.RUNNING, 33.0, fp.Verdict.RESTART_FAILED),
+    # a renewal within the second of finishedAt may predate the failure: still wait
+    (1, 0.5, 5, fp.State.RUNNING, 35.5, fp.Verdict.RESTART_FAILED),
+    # silent for the Lease's whole duration: node-a is gone, the failure was its echo
+    (1, -2, 38, fp.State.PREEMPTED, 0.0, fp.Verdict.RESTART_PREEMPTED),
+    # a deterministic failure or a crash is not an echo: nothing waits
+    (2, -2, 5, fp.State.RUNNING, 0.0, fp.Verdict.FAILED),
+    (139, -2, 5, fp.State.RUNNING, 0.0, fp.Verdict.RESTART_FAILED),
+])
+def test_a_generic_failure_waits_for_the_running_peers_node(failed_exit, lease_renewed_s, now_s, peer, hold, verdict):
+    pods = {0: _on(POD, "node-a"), 1: _failed_at(failed_exit, T0)}
+    outcomes = {r: fp.classify_pod(p) for r, p in pods.items()}
+    settled, wait = fp.settle_generic_failure(outcomes, pods, {"node-a": _lease(lease_renewed_s)},
+                                              T0 + timedelta(seconds=now_s))
+    assert settled[0].state is peer
+    assert wait == pytest.approx(hold)
+    got = fp.judge_gang(settled, 2)
+    assert got.verdict is verdict
+    if peer is fp.State.PREEMPTED:
+        assert got.reason == "NodeLeaseExpired" and "node node-a has not renewed its Lease" in got.message
+        assert "rank 1 then failed (TrainingError), counted with the preemption" in got.message
+
+
+def test_without_a_lease_or_a_finish_time_nothing_waits():
+    pods = {0: _on(POD, "node-a"), 1: _failed_at(1, T0)}
+    outcomes = {r: fp.classify_pod(p) for r, p in pods.items()}
+    assert fp.settle_generic_failure(outcomes, pods, {}, T0 + timedelta(seconds=5)) == (outcomes, 0.0)
+    del pods[1]["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"]
+    assert fp.settle_generic_failure(outcomes, pods, {"node-a": _lease(-2)}, T0) == (outcomes, 0.0)

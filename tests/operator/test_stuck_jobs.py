@@ -280,3 +280,30 @@ def test_a_hung_api_call_times_out(monkeypatch):
     assert not isinstance(err.value, asyncio.TimeoutError), "the call hung until the test's own limit"
     assert time.monotonic() - t0 < 10
     server.close()
+
+
+def test_a_dead_machines_survivor_failing_first_is_counted_as_the_preemption():
+    """Machine death: node-0 dies with rank 0; rank 1 loses its collective and exits 1 within
+    seconds, while rank 0 still reads Running on a Ready node. Charged as a failure, this
+    spent the backoffLimit on a preemption. The verdict waits for node-0's heartbeat."""
+    from sftjob_operator.failure_policy import NodeLease
+
+    body, pods = running_job()
+    pods = [dict(p, spec={**p["spec"], "nodeName": f"node-{i}"}) for i, p in enumerate(pods)]
+    failed = terminated(pods[1], 1, "TrainingError: RuntimeError: Connection closed by peer")
+    failed["spec"] = pods[1]["spec"]
+    failed["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"] = "2026-01-01T12:00:20Z"
+    gang = [pods[0], failed]
+    last_beat = {"node-0": NodeLease(renewed=at(18), duration_s=40)}   # before the failure
+
+    waiting = reconcile.plan(body, gang, at(22), node_ready={"node-0": True}, node_leases=last_beat)
+    assert waiting.status is None or waiting.status.get("phase") == "Running"
+    assert not waiting.delete_pods and waiting.requeue_after <= 2.0
+
+    lost = reconcile.plan(body, gang, at(58), node_ready={"node-0": True}, node_leases=last_beat)
+    assert lost.status["phase"] == "Restarting"
+    assert lost.status["restarts"] == {**lost.status["restarts"], "preemptions": 1, "failures": 0}
+
+    alive = {"node-0": NodeLease(renewed=at(24), duration_s=40)}          # a heartbeat after it
+    failure = reconcile.plan(body, gang, at(25), node_ready={"node-0": True}, node_leases=alive)
+    assert failure.status["restarts"] == {**failure.status["restarts"], "preemptions": 0, "failures": 1}

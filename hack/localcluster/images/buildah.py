@@ -93,11 +93,6 @@ def build_pause(ref: str, work: Path, logfile: Path, verbose: bool) -> str:
         [buildah, "config", *PAUSE_CONFIG, ctr]])
 
 
-def cache_stage_ref(name: str) -> str:
-    """The tag that keeps the cached stage of BUDS[name] in buildah's storage."""
-    return f"localhost/sftjob/{name}-build-cache:{BUDS[name].cache_stage}"
-
-
 def build_bud(name: str, ref: str, work: Path, cache: Path, logfile: Path, verbose: bool) -> str:
     buildah = need("buildah")
     bud = BUDS[name]
@@ -106,45 +101,10 @@ def build_bud(name: str, ref: str, work: Path, cache: Path, logfile: Path, verbo
     # re-signs TLS); Debian's pip reads the system bundle. The images do not keep it.
     if Path(HOST_CA_BUNDLE).is_file():
         args += ["-v", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
-    common = [buildah, "bud", "--isolation", "chroot", "--layers", "--pull=never", "-f", str(ROOT / bud.dockerfile),
-              "--ignorefile", str(ROOT / bud.ignorefile), *args]
-    if bud.cache_stage:
-        # the cached stage under a tag of its own first (the whole build then reuses it), so
-        # that drop_layers_above() can tell its layers from the image's
-        run([*common, "--target", bud.cache_stage, "-t", cache_stage_ref(name), str(ROOT)], logfile=logfile,
-            verbose=verbose, env=buildah_env(cache))
-    run([*common, "--iidfile", str(work / "iid"), "-t", ref, str(ROOT)], logfile=logfile, verbose=verbose,
-        env=buildah_env(cache))
+    run([buildah, "bud", "--isolation", "chroot", "--layers", "--pull=never",
+          "-f", str(ROOT / bud.dockerfile), "--ignorefile", str(ROOT / bud.ignorefile), "--iidfile", str(work / "iid"),
+          *args, "-t", ref, str(ROOT)], logfile=logfile, verbose=verbose, env=buildah_env(cache))
     return _image_id(work / "iid")
-
-
-def _diff_ids(image: str) -> list[str]:
-    res = subprocess.run([need("buildah"), "inspect", "--type", "image", image], capture_output=True, text=True)
-    return json.loads(res.stdout)["OCIv1"]["rootfs"]["diff_ids"] if res.returncode == 0 else []
-
-
-def drop_layers_above(name: str, image_id: str, logfile: Path) -> int:
-    """Once BUDS[name]'s image `image_id` is archived, remove from buildah's storage every image
-    holding a layer of it that its cache stage lacks: the image itself and the later stages'
-    intermediate images. The cache stage's own layers stay for the next build, which copies
-    them again anyway (buildah re-runs a COPY --from to compare it with its cache), so this
-    frees the runtime image's copy (5.5 GB for the trainer) at no cost. Returns how many
-    images went."""
-    if not BUDS[name].cache_stage:
-        return 0
-    kept = set(_diff_ids(cache_stage_ref(name)))
-    above = set(_diff_ids(image_id.removeprefix("sha256:"))) - kept
-    if not kept or not above:
-        return 0
-    buildah = need("buildah")
-    ids = run([buildah, "images", "-a", "-q", "--no-trunc"]).split()
-    doomed = [i.removeprefix("sha256:") for i in ids if set(_diff_ids(i.removeprefix("sha256:"))) & above]
-    if doomed:
-        res = subprocess.run([buildah, "rmi", "--force", *doomed], capture_output=True, text=True)
-        with logfile.open("a") as f:
-            f.write(f"$ buildah rmi --force {' '.join(doomed)} (the layers above the cached stage): "
-                    f"exit {res.returncode}\n{res.stdout}{res.stderr}")
-    return len(doomed)
 
 
 def ensure_in_storage(img: ImageRef, logfile: Path, verbose: bool) -> None:

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
-from .buildah import (archive_image_id, build_base, build_bud, build_pause, buildah_env, drop_layers_above,
-                      drop_previous_build, ensure_in_storage)
+from .buildah import (archive_image_id, build_base, build_bud, build_pause, buildah_env, drop_previous_build,
+                      ensure_in_storage)
 from .keys import input_key
 from .spec import BUDS, NAMES, ImageRef, ImagesError, cache_dir, image_refs
 from .tools import human, log, need, run
@@ -137,8 +137,6 @@ def build(names: Iterable[str] = NAMES, *, refs: Mapping[str, str] | None = None
                     image_id = build_bud(name, refs[name], Path(work), cache, logfile, verbose)
             built = time.monotonic() - started
             img = _write_archive(name, refs[name], image_id, key, cache, started, logfile, verbose)
-            if name in BUDS:
-                drop_layers_above(name, image_id, logfile)
             log(f"{name}: built {img.ref} in {built:.1f} s, archived in {img.build_seconds - built:.1f} s "
                  f"({human(img.size)}: {img.archive})")
             out[name] = img

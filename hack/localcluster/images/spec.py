@@ -58,10 +58,6 @@ class Bud:
 
     dockerfile: str
     build_args: Mapping[str, str]
-    # The stage whose layers stay in buildah's storage as the next build's cache once the image
-    # is archived; the layers the image has beyond it (for the trainer, the runtime stage's
-    # 5.5 GB copy of the installed requirements) are removed. None: everything stays.
-    cache_stage: str | None = None
 
     @property
     def ignorefile(self) -> str:
@@ -74,7 +70,7 @@ BUDS = {
     # The CPU/local variant: both stages on the base, no flash-attn (so no nvcc).
     "trainer": Bud("images/trainer/Dockerfile",
                    {"BUILD_IMAGE": _BASE_IMAGE, "BUILD_TAG": _BASE_TAG, "RUNTIME_IMAGE": _BASE_IMAGE,
-                    "RUNTIME_TAG": _BASE_TAG, "FLASH_ATTN_VERSION": ""}, cache_stage="deps"),
+                    "RUNTIME_TAG": _BASE_TAG, "FLASH_ATTN_VERSION": ""}),
 }
 
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
