@@ -277,7 +277,8 @@ def test_every_rbac_verb_is_needed(cluster, namespace, shared_crd):
     docs = [d for d in yaml.safe_load_all(rendered) if d]
     rbac = "/apis/rbac.authorization.k8s.io/v1"
     roles = {f"{rbac}/clusterroles/{name}": next(d for d in docs if d["kind"] == "ClusterRole"),
-             f"{rbac}/namespaces/{namespace}/roles/{name}-leader-election": next(d for d in docs if d["kind"] == "Role")}
+             f"{rbac}/namespaces/{namespace}/roles/{name}-leader-election":
+             next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == f"{name}-leader-election")}
     cluster.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
     # The Lease the probes read and renew (rbac_needs: a PUT of a missing one would create it).
     cluster.kube.create(f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
@@ -333,8 +334,25 @@ def test_every_rbac_verb_is_needed(cluster, namespace, shared_crd):
         other = ProbeContext(ctx.kube, namespace, job, ctx.node, lease=f"{name}-other")
         assert asyncio.run(refused(other, ("coordination.k8s.io", "leases", "get")))
         assert asyncio.run(refused(other, ("coordination.k8s.io", "leases", "update")))
+        # kube.node_leases: the nodes' heartbeats, through the Role in kube-node-lease only.
+        beats = f"{rbac}/namespaces/kube-node-lease/roles/{name}-node-heartbeats"
+
+        def heartbeats():
+            """The node's Lease as the operator reads it, or "refused" (node_leases turns a 403
+            into no leases and stops asking: reset that first)."""
+            ctx.kube._leases_forbidden = False
+            got = asyncio.run(ctx.kube.node_leases({ctx.node}))
+            return "refused" if ctx.kube._leases_forbidden else got
+
+        wait_for(lambda: isinstance(got := heartbeats(), dict) and ctx.node in got, 20,
+                 what="the node's Lease readable with the chart's roles")
+        cluster.kube.delete(beats)
+        wait_for(lambda: heartbeats() == "refused", 20, what="the node's Lease refused without the node-heartbeats Role")
         print("\n".join(report))
     finally:
         for d in docs:
             if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
                 cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found")
+            elif d["metadata"].get("namespace") == "kube-node-lease":
+                cluster.kubectl("-n", "kube-node-lease", "delete", d["kind"].lower(), d["metadata"]["name"],
+                                "--ignore-not-found")

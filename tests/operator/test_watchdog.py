@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.cluster import wait_for
+
 from .cluster_kit import RESUMABLE, apply, checkpointed, example, wait_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -50,8 +52,10 @@ def test_frozen_rank_is_restarted_by_the_progress_deadline(cluster, scoped_opera
             except ProcessLookupError:
                 pass
     assert job["status"]["restarts"] == {"failures": 1, "preemptions": 0, "total": 1}
-    events = cluster.kube.get(f"/api/v1/namespaces/{ns}/events?fieldSelector=involvedObject.name%3D{name}")["items"]
-    assert any(e["reason"] == "ProgressDeadlineExceeded" for e in events)
+    # the operator writes the status first and posts the pass's Events after its pod deletions
+    wait_for(lambda: any(e["reason"] == "ProgressDeadlineExceeded" for e in cluster.kube.get(
+        f"/api/v1/namespaces/{ns}/events?fieldSelector=involvedObject.name%3D{name}")["items"]), 30,
+        what="the ProgressDeadlineExceeded Event")
     job = wait_job(cluster, ns, name, scoped_operator,
                    lambda j: j if j["status"].get("phase") in ("Succeeded", "Failed") else None, 600,
                    what="the resumed job to finish")
