@@ -23,18 +23,6 @@ from .resources import EnvVar
 LABEL_JOB = "sftjob.io/job-name"
 LABEL_RANK = "sftjob.io/rank"
 LABEL_ATTEMPT = "sftjob.io/attempt"
-
-
-def pod_attempt(pod: dict[str, Any]) -> int:
-    """The gang attempt a pod was built for (-1: not one of ours)."""
-    try:
-        return int(pod["metadata"].get("labels", {}).get(LABEL_ATTEMPT, "-1"))
-    except ValueError:
-        return -1
-
-
-def pod_rank(pod: dict[str, Any]) -> int:
-    return int(pod["metadata"]["labels"][LABEL_RANK])
 MANAGED_BY = {"app.kubernetes.io/managed-by": "sftjob-operator", "app.kubernetes.io/name": "sftjob"}
 CONFIG_DIR = "/etc/sftjob"
 CONFIG_FILE = "config.yaml"
@@ -45,6 +33,19 @@ METRICS_PORT = 9400
 
 class InvalidSpec(ValueError):
     """The spec passed the API server's schema but cannot be turned into a runnable job."""
+
+
+def pod_attempt(pod: dict[str, Any]) -> int:
+    """The gang attempt a pod was built for, from its label (-1: not one of ours)."""
+    try:
+        return int(pod["metadata"].get("labels", {}).get(LABEL_ATTEMPT, "-1"))
+    except ValueError:
+        return -1
+
+
+def pod_rank(pod: dict[str, Any]) -> int:
+    """The node rank a pod of ours runs, from its label."""
+    return int(pod["metadata"]["labels"][LABEL_RANK])
 
 
 @dataclass(frozen=True)

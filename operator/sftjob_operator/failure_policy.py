@@ -39,6 +39,7 @@ from sftjob_contract import exits
 
 from . import conditions as c
 from . import queueing
+from .status import parse_time
 
 MAX_RESTART_BACKOFF_S = 300.0
 
@@ -254,7 +255,7 @@ LEASE_CLOCK_SLACK_S = 1.0
 def _finished_at(pod: dict[str, Any] | None) -> datetime | None:
     term = _terminated(pod) if pod else None
     try:
-        return datetime.fromisoformat(term["finishedAt"]) if term and term.get("finishedAt") else None
+        return parse_time(term.get("finishedAt")) if term else None
     except ValueError:
         return None
 

@@ -195,25 +195,27 @@ async def _scheduler(rt: Runtime) -> None:
         await asyncio.sleep(TICK_S)
 
 
-def _rank0(body: dict[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any] | None:
-    attempt = status.parse(body.get("status")).attempt
-    return next((p for p in pods if builders.pod_attempt(p) == attempt
-                 and p["metadata"].get("labels", {}).get(builders.LABEL_RANK) == "0"), None)
+def _phase(pod: dict[str, Any]) -> str | None:
+    return (pod.get("status") or {}).get("phase")
+
+
+def _nodes(pods: list[dict[str, Any]], *phases: str) -> set[str]:
+    return {p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName") and _phase(p) in phases}
 
 
 async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[str, Any]]):
-    nodes = {p["spec"].get("nodeName") for p in pods
-             if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") in ("Pending", "Running")}
+    attempt = status.parse(body.get("status")).attempt
+    gang = [p for p in pods if builders.pod_attempt(p) == attempt]
+    nodes = _nodes(pods, "Pending", "Running")
     node_ready = await rt.kube.node_ready(nodes) if nodes else {}
-    # A failed rank beside running ones: their nodes' heartbeats tell a failure from the echo
-    # of a dead machine (failure_policy.settle_generic_failure). Read only then.
-    failed = any((p.get("status") or {}).get("phase") == "Failed" for p in pods)
-    running = {p["spec"].get("nodeName") for p in pods
-               if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") == "Running"}
-    leases = await rt.kube.node_leases(running) if failed and running else {}
+    # A rank of the gang failed beside running ones: their nodes' heartbeats tell a failure
+    # from the echo of a dead machine (failure_policy.settle_generic_failure). Read only then.
+    running_nodes = _nodes(gang, "Running")
+    failed = any(_phase(p) == "Failed" for p in gang)
+    leases = await rt.kube.node_leases(running_nodes) if failed and running_nodes else {}
     scraped = None
-    rank0 = _rank0(body, pods)
-    running = rank0 and (rank0.get("status") or {}).get("phase") == "Running" and rank0["status"].get("podIP")
+    rank0 = next((p for p in gang if p["metadata"].get("labels", {}).get(builders.LABEL_RANK) == "0"), None)
+    running = rank0 and _phase(rank0) == "Running" and rank0["status"].get("podIP")
     if rt.scraper is not None and running:
         url = f"http://{rank0['status']['podIP']}:{builders.METRICS_PORT}{METRICS_PATH}"
         scraped = rt.scraper.want(key, rank0["metadata"]["uid"], url)

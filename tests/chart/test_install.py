@@ -27,8 +27,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 from hack.localcluster.kube import RESTRICTED
+from sftjob_operator.kube import NODE_LEASE_NAMESPACE
 from tests.fixtures.cluster import wait_for
 
 from .chart_kit import CHART, CRD_SOURCE, REPO, render_text
@@ -335,24 +337,24 @@ def test_every_rbac_verb_is_needed(cluster, namespace, shared_crd):
         assert asyncio.run(refused(other, ("coordination.k8s.io", "leases", "get")))
         assert asyncio.run(refused(other, ("coordination.k8s.io", "leases", "update")))
         # kube.node_leases: the nodes' heartbeats, through the Role in kube-node-lease only.
-        beats = f"{rbac}/namespaces/kube-node-lease/roles/{name}-node-heartbeats"
+        def lease_refused() -> bool:
+            try:
+                ctx.kube.coordination.read_namespaced_lease(ctx.node, NODE_LEASE_NAMESPACE)
+            except ApiException as err:
+                if err.status == 403:
+                    return True
+                raise
+            return False
 
-        def heartbeats():
-            """The node's Lease as the operator reads it, or "refused" (node_leases turns a 403
-            into no leases and stops asking: reset that first)."""
-            ctx.kube._leases_forbidden = False
-            got = asyncio.run(ctx.kube.node_leases({ctx.node}))
-            return "refused" if ctx.kube._leases_forbidden else got
-
-        wait_for(lambda: isinstance(got := heartbeats(), dict) and ctx.node in got, 20,
-                 what="the node's Lease readable with the chart's roles")
-        cluster.kube.delete(beats)
-        wait_for(lambda: heartbeats() == "refused", 20, what="the node's Lease refused without the node-heartbeats Role")
+        wait_for(lambda: not lease_refused(), 20, what="the node's Lease readable with the chart's roles")
+        assert ctx.node in asyncio.run(ctx.kube.node_leases({ctx.node}))
+        cluster.kube.delete(f"{rbac}/namespaces/{NODE_LEASE_NAMESPACE}/roles/{name}-node-heartbeats")
+        wait_for(lease_refused, 20, what="the node's Lease refused without the node-heartbeats Role")
         print("\n".join(report))
     finally:
         for d in docs:
             if d["kind"] in ("ClusterRole", "ClusterRoleBinding"):
                 cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found")
-            elif d["metadata"].get("namespace") == "kube-node-lease":
-                cluster.kubectl("-n", "kube-node-lease", "delete", d["kind"].lower(), d["metadata"]["name"],
+            elif d["metadata"].get("namespace") == NODE_LEASE_NAMESPACE:
+                cluster.kubectl("-n", NODE_LEASE_NAMESPACE, "delete", d["kind"].lower(), d["metadata"]["name"],
                                 "--ignore-not-found")

@@ -80,9 +80,15 @@ def containerd(built):
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
-        # The snapshots are unmounted with their containers; a leftover mount keeps its files.
-        if subprocess.run(["findmnt", "-rn", "-o", "TARGET"], capture_output=True, text=True).stdout.count(str(d)) == 0:
-            shutil.rmtree(d, ignore_errors=True)
+        _remove_root(d)
+
+
+def _remove_root(d: Path) -> None:
+    """A stopped containerd's root: its leftover mounts (deepest first) detached, then its files."""
+    mounts = subprocess.run(["findmnt", "-rn", "-o", "TARGET"], capture_output=True, text=True).stdout.split()
+    for m in sorted((m for m in mounts if m.startswith(str(d))), key=len, reverse=True):
+        subprocess.run(["umount", "-l", m], capture_output=True)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _remove_abandoned_roots() -> None:
@@ -95,11 +101,7 @@ def _remove_abandoned_roots() -> None:
     running = " ".join(cmdline(p) for p in Path("/proc").glob("[0-9]*/cmdline"))
     for d in Path(tempfile.gettempdir()).glob("sftjob-ctrd-*"):
         if str(d) not in running:
-            for m in sorted(subprocess.run(["findmnt", "-rn", "-o", "TARGET"], capture_output=True,
-                                           text=True).stdout.split(), key=len, reverse=True):
-                if m.startswith(str(d)):
-                    subprocess.run(["umount", "-l", m], capture_output=True)
-            shutil.rmtree(d, ignore_errors=True)
+            _remove_root(d)
 
 
 def ctr(address: str, *args: str, timeout: float = 120) -> str:

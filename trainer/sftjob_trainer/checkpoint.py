@@ -92,11 +92,10 @@ def io_error(action: str, d: Path, err: BaseException) -> CheckpointIOError:
         if isinstance(failures, dict) else {None: err}
     parts = [f"{'' if r is None else f'rank {r}: '}{type(c).__name__}: {c}" for r, c in causes.items()]
     msg = f"{action} {d} failed: {'; '.join(parts)}"
-    where = next((p for p in (d, *d.parents) if p.exists()), Path("/"))
+    free = shutil.disk_usage(next(p for p in (d, *d.parents) if p.exists())).free
     # torch's file writer can report a full disk as a bare "unexpected pos": judge by the disk too
-    if (any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes.values())
-            or shutil.disk_usage(where).free < FULL_BELOW):
-        msg += (f" (the file system holding {d} is full: {shutil.disk_usage(where).free // 2**20} MiB free; "
+    if free < FULL_BELOW or any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes.values()):
+        msg += (f" (the file system holding {d} is full: {free // 2**20} MiB free; "
                 "give it more space, or keep fewer checkpoints with trainer.keep_checkpoints)")
     return CheckpointIOError(msg)
 
