@@ -78,24 +78,38 @@ finish() {
   log "$1: done in $((SECONDS - START))s: $(ls "$d/bin" | tr '\n' ' ')"
 }
 
-build_k8s() {
-  begin k8s || return 0
-  local d src minor ver=$K8S_VERSION
-  d="$(dir_of k8s)"; src="$d/src"
-  minor="$(echo "$ver" | cut -d. -f2)"
-  # k8s.io/kubernetes requires its staging modules at v0.0.0 and maps them to ./staging with
-  # replace lines, which Go ignores in a dependency. Re-create them here, pointing at the
-  # published v0.MINOR.PATCH tags; the list is read from the real go.mod, not hard-coded.
-  local gomod staging
-  gomod="$(go mod download -json "k8s.io/kubernetes@$ver" | sed -n 's/^\s*"GoMod": "\(.*\)",$/\1/p')"
-  staging="$(go mod edit -json "$gomod" | python3 -c '
+# The go.mod of k8s.io/kubernetes at K8S_VERSION (downloaded into the module cache).
+k8s_gomod() {
+  go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/^\s*"GoMod": "\(.*\)",$/\1/p'
+}
+
+# A replace block pinning every Kubernetes staging module (k8s.io/api, client-go, ...) to the
+# published tag of K8S_VERSION (v0.MINOR.PATCH). k8s.io/kubernetes requires them at v0.0.0 and
+# maps them to ./staging with replace lines, which Go ignores in a dependency; the list is read
+# from its real go.mod, not hard-coded.
+staging_replaces() {
+  local p
+  echo "replace ("
+  for p in $(go mod edit -json "$(k8s_gomod)" | python3 -c '
 import json, sys
 mod = json.load(sys.stdin)
 for r in mod.get("Require") or []:
     p = r["Path"]
     if p.startswith("k8s.io/") and r["Version"] == "v0.0.0":
-        print(p)')"
-  local goline
+        print(p)'); do
+    echo "	$p => $p v0.${K8S_VERSION#v1.}"
+  done
+  echo ")"
+}
+
+build_k8s() {
+  begin k8s || return 0
+  local d src minor ver=$K8S_VERSION
+  d="$(dir_of k8s)"; src="$d/src"
+  minor="$(echo "$ver" | cut -d. -f2)"
+  # the staging modules at their published tags (staging_replaces)
+  local gomod goline
+  gomod="$(k8s_gomod)"
   goline="$(go mod edit -json "$gomod" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Go"])')"
   {
     echo "module local/sftjob-k8s-binaries"
@@ -110,9 +124,7 @@ for r in mod.get("Require") or []:
     for c in "${K8S_BINARIES[@]}"; do echo "	k8s.io/kubernetes/cmd/$c"; done
     echo ")"
     echo
-    echo "replace ("
-    for p in $staging; do echo "	$p => $p v0.${ver#v1.}"; done
-    echo ")"
+    staging_replaces
   } >"$src/go.mod"
   (cd "$src" && go mod tidy)
   # Stamp the version the way kubernetes' hack/lib/version.sh does: without it the server
@@ -145,51 +157,29 @@ build_etcd() {
   build_wrapped etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3 etcd
 }
 
-build_helm() {
-  local minor; minor="$(echo "$K8S_VERSION" | cut -d. -f2)"
-  # helm v3 falls back to k8s 1.20 for offline `helm template` unless told otherwise, and
-  # reports a bare "v3.21" as its own version; stamp both.
-  build_wrapped helm helm.sh/helm/v3 "$HELM_VERSION" helm.sh/helm/v3/cmd/helm helm \
-    "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor"
-}
+# helm, kwok and CoreDNS are built from one wrapper module, so they share one set of
+# dependency versions: MVS over the three, with every Kubernetes staging module pinned to the
+# cluster's own release (staging_replaces). client-go, apimachinery, gRPC and the rest then
+# compile once for the three instead of once each. Each binary still links only what its main
+# package imports. The module is the same whichever of them a run builds, so a binary does not
+# depend on what else was missing. (Kueue cannot join: its dependencies need Kubernetes 0.35
+# APIs that 0.36 removed.)
+TOOLS_DIR="$CACHE/.go/tools"
 
-build_minio() {
-  build_wrapped minio github.com/minio/minio "$MINIO_VERSION" github.com/minio/minio minio
-}
-
-build_kwok() {
-  build_wrapped kwok sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok
-  # kwok v0.8 ships no default Stages; keep the stock ones next to the binary.
-  local d; d="$(dir_of kwok)"
-  if [[ ! -d "$d/stage" ]]; then
-    cp -r "$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage" "$d/stage.tmp"
-    chmod -R u+w "$d/stage.tmp" && mv "$d/stage.tmp" "$d/stage"
-  fi
-}
-
-# Kueue (optional: `make cluster-up KUEUE=1` and the Kueue tests). Its CRDs and webhook
-# manifests are not embedded in the binary; keep the module's copies next to it.
-build_kueue() {
-  build_wrapped kueue sigs.k8s.io/kueue "$KUEUE_VERSION" sigs.k8s.io/kueue/cmd/kueue kueue \
-    "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
-  local d m; d="$(dir_of kueue)"; m="$(go env GOMODCACHE)/sigs.k8s.io/kueue@$KUEUE_VERSION"
-  if [[ ! -d "$d/config" ]]; then
-    rm -rf "$d/config.tmp" && mkdir -p "$d/config.tmp"
-    cp -r "$m/config/components/crd/bases" "$d/config.tmp/crd"
-    cp "$m/config/components/webhook/manifests.yaml" "$d/config.tmp/webhook.yaml"
-    chmod -R u+w "$d/config.tmp" && mv "$d/config.tmp" "$d/config"
-  fi
-}
-
-# Cluster DNS. CoreDNS's own main links every plugin (cloud SDKs included); this one links the
-# few a cluster's DNS needs, in CoreDNS's directive order (bind: two clusters on one machine
-# each answer on their own bridge address).
-build_coredns() {
-  begin coredns || return 0
-  local d src; d="$(dir_of coredns)"; src="$d/src"
-  printf 'module local/sftjob-coredns-binary\n\ngo 1.26.0\n\nrequire github.com/coredns/coredns %s\n' \
-    "$COREDNS_VERSION" >"$src/go.mod"
-  cat >"$src/main.go" <<'GO'
+tools_module() {
+  [[ -f "$TOOLS_DIR/.ready" ]] && return 0
+  rm -rf "$TOOLS_DIR" && mkdir -p "$TOOLS_DIR/coredns"
+  {
+    printf 'module local/sftjob-cluster-tools\n\ngo 1.26.0\n\nrequire (\n'
+    printf '\thelm.sh/helm/v3 %s\n\tsigs.k8s.io/kwok %s\n\tgithub.com/coredns/coredns %s\n)\n\n' \
+      "$HELM_VERSION" "$KWOK_VERSION" "$COREDNS_VERSION"
+    printf 'tool (\n\thelm.sh/helm/v3/cmd/helm\n\tsigs.k8s.io/kwok/cmd/kwok\n)\n\n'
+    staging_replaces
+  } >"$TOOLS_DIR/go.mod"
+  # Cluster DNS. CoreDNS's own main links every plugin (cloud SDKs included); this one links the
+  # few a cluster's DNS needs, in CoreDNS's directive order (bind: two clusters on one machine
+  # each answer on their own bridge address).
+  cat >"$TOOLS_DIR/coredns/main.go" <<'GO'
 // CoreDNS with only the plugins the local cluster's DNS uses.
 package main
 
@@ -214,9 +204,59 @@ func init() {
 
 func main() { coremain.Run() }
 GO
-  (cd "$src" && go mod tidy)
-  (cd "$src" && go build -p "$GO_P" -trimpath -ldflags "-s -w" -o "$d/bin.tmp/coredns" .)
-  finish coredns
+  (cd "$TOOLS_DIR" && go mod tidy)
+  touch "$TOOLS_DIR/.ready"
+}
+
+# build_tool NAME PKG [LDFLAGS]: one binary of the tools module.
+build_tool() {
+  local name=$1 pkg=$2 ldf=${3:-}
+  begin "$name" || return 0
+  tools_module
+  local d; d="$(dir_of "$name")"
+  (cd "$TOOLS_DIR" && go build -p "$GO_P" -trimpath -ldflags "-s -w $ldf" -o "$d/bin.tmp/$name" "$pkg")
+  rm -rf "$d/src"
+  finish "$name"
+}
+
+build_helm() {
+  local minor; minor="$(echo "$K8S_VERSION" | cut -d. -f2)"
+  # helm v3 falls back to k8s 1.20 for offline `helm template` unless told otherwise, and
+  # reports a bare "v3.21" as its own version; stamp both.
+  build_tool helm helm.sh/helm/v3/cmd/helm \
+    "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMajor=1 -X helm.sh/helm/v3/pkg/chartutil.k8sVersionMinor=$minor"
+}
+
+build_minio() {
+  build_wrapped minio github.com/minio/minio "$MINIO_VERSION" github.com/minio/minio minio
+}
+
+build_kwok() {
+  build_tool kwok sigs.k8s.io/kwok/cmd/kwok
+  # kwok v0.8 ships no default Stages; keep the stock ones next to the binary.
+  local d; d="$(dir_of kwok)"
+  if [[ ! -d "$d/stage" ]]; then
+    cp -r "$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage" "$d/stage.tmp"
+    chmod -R u+w "$d/stage.tmp" && mv "$d/stage.tmp" "$d/stage"
+  fi
+}
+
+# Kueue (optional: `make cluster-up KUEUE=1` and the Kueue tests). Its CRDs and webhook
+# manifests are not embedded in the binary; keep the module's copies next to it.
+build_kueue() {
+  build_wrapped kueue sigs.k8s.io/kueue "$KUEUE_VERSION" sigs.k8s.io/kueue/cmd/kueue kueue \
+    "-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
+  local d m; d="$(dir_of kueue)"; m="$(go env GOMODCACHE)/sigs.k8s.io/kueue@$KUEUE_VERSION"
+  if [[ ! -d "$d/config" ]]; then
+    rm -rf "$d/config.tmp" && mkdir -p "$d/config.tmp"
+    cp -r "$m/config/components/crd/bases" "$d/config.tmp/crd"
+    cp "$m/config/components/webhook/manifests.yaml" "$d/config.tmp/webhook.yaml"
+    chmod -R u+w "$d/config.tmp" && mv "$d/config.tmp" "$d/config"
+  fi
+}
+
+build_coredns() {
+  build_tool coredns local/sftjob-cluster-tools/coredns
 }
 
 if [[ "${1:-}" == "--print-dirs" ]]; then
