@@ -19,7 +19,9 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## Create/update .venv with the trainer, operator and dev dependencies
 
-test: install checkov-install ## Run the whole test suite (unit, distributed, cluster)
+# The cluster tests need every binary, Kueue's included; they build while the venv installs.
+test: PREPARE = k8s etcd helm minio kwok coredns kueue
+test: cluster-prepare install checkov-install ## Run the whole test suite (unit, distributed, cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-unit: install checkov-install ## Run only the fast tests (no torchrun, no cluster)
@@ -31,7 +33,7 @@ test-unit: install checkov-install ## Run only the fast tests (no torchrun, no c
 -include bench/bench.mk
 -include hack/chaos.mk
 
-demo: install ## End to end: local cluster, Helm chart, SFTJob preempted and resumed, model from S3, Prometheus (DEMO_STEPS=N: shorter)
+demo: cluster-prepare install ## End to end: local cluster, Helm chart, SFTJob preempted and resumed, model from S3, Prometheus (DEMO_STEPS=N: shorter)
 	OMP_NUM_THREADS=1 $(PY) -m demo.run
 
 clean: ## Remove local run outputs (.demo, caches); keeps .venv and the binary cache

@@ -28,3 +28,17 @@ def assets(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable
+
+
+def needs_a_build(item: pytest.Item) -> bool:
+    """The test needs what `make cluster-prepare` builds: the cluster, or a binary or an image."""
+    return ("cluster" in getattr(item, "fixturenames", ()) or item.get_closest_marker("cluster") is not None
+            or item.get_closest_marker("built") is not None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that need no build run first. `make test` builds the cluster's binaries and
+    images in the background (hack/localcluster `prepare`); on a new machine that takes about
+    25 minutes, and the trainer's tests use them to run instead of waiting. Otherwise the
+    order is pytest's."""
+    items.sort(key=needs_a_build)  # stable: within each group, the collection order

@@ -8,7 +8,7 @@
 
 CLI: python -m hack.localcluster {up,down,status,env,node-lost,node-restore,logs}
 """
-from .cluster import down, is_up, kubeconfig_path, leftover_processes, status, up  # noqa: F401
+from .cluster import down, is_up, kubeconfig_path, leftover_processes, prepare, status, up  # noqa: F401
 from .credentials import env  # noqa: F401
 from .config import ClusterConfig, bin_dir, load  # noqa: F401
 from .kueue import kueue_down, kueue_up  # noqa: F401

@@ -1,6 +1,7 @@
-"""python -m hack.localcluster {up [--kueue],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
+"""python -m hack.localcluster {up [--kueue],prepare [--background LOG] [COMPONENT ...],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
 import argparse
 import sys
+from pathlib import Path
 
 from . import cluster, kueue, kwok, nodes
 
@@ -10,6 +11,11 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("up", help="build missing binaries and start the cluster (no-op when up)")
     p.add_argument("--kueue", action="store_true", help="also start Kueue (see hack/localcluster/kueue.py)")
+    p = sub.add_parser("prepare", help="install the nodes' Debian packages, then build the binaries and the images "
+                                         "side by side (what a first `up` waits for)")
+    p.add_argument("components", nargs="*", default=list(cluster.BINARIES),
+                   help=f"binaries to build (default: {' '.join(cluster.BINARIES)}; kueue is optional)")
+    p.add_argument("--background", metavar="LOG", help="return at once; the output goes to LOG")
     sub.add_parser("down", help="stop every process of the cluster and remove its state")
     sub.add_parser("status", help="health of each component; exit 1 unless all are healthy")
     sub.add_parser("env", help="print the shell exports of .cluster/env")
@@ -33,6 +39,12 @@ def main() -> int:
         if a.kueue:
             kueue.kueue_up(cfg)
         print(f"cluster up: source {cfg.env_file}")
+    elif a.cmd == "prepare":
+        if a.background:
+            pid = cluster.prepare_in_background(Path(a.background).resolve(), a.components)
+            print(f"building the cluster's binaries and images in the background (pid {pid}, log {a.background})")
+        else:
+            cluster.prepare(components=a.components)
     elif a.cmd == "down":
         cluster.down()
     elif a.cmd == "status":

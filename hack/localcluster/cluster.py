@@ -14,8 +14,11 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Sequence
 
 from . import credentials, images, proc
 from . import config as C
@@ -25,11 +28,45 @@ from .kube import ApiError, Kube
 from .proc import log, sh
 
 
-def ensure_binaries(components=("k8s", "etcd", "helm", "minio", "kwok", "coredns")) -> None:
+BINARIES = ("k8s", "etcd", "helm", "minio", "kwok", "coredns")
+
+
+def ensure_binaries(components: Sequence[str] = BINARIES) -> None:
     """Build what is missing from the cache (build-binaries.sh knows what a complete cache
     holds, and returns at once when everything is there). Raises when a build fails, so a test
     session that needs the cluster fails instead of skipping."""
     subprocess.run([str(C.HACK / "build-binaries.sh"), *components], check=True)
+
+
+def prepare(cfg: C.ClusterConfig | None = None, components: Sequence[str] = BINARIES) -> None:
+    """What a first `up` waits for on a new machine, side by side: the nodes' Debian packages
+    first (the image builds need buildah), then the Go builds (they keep both cores busy) beside
+    the image builds (mostly downloading wheels and writing layers). Seconds when all is there.
+
+    Both builds lock their caches, so a second `prepare` (a test session's `up` while
+    `make test` prepares in the background) waits for the first and then finds all built."""
+    cfg = cfg or C.load()
+    pkgs = subprocess.run([str(C.HACK / "host-packages.sh")], capture_output=True, text=True)
+    if pkgs.returncode != 0:
+        raise RuntimeError(f"hack/host-packages.sh failed:\n{pkgs.stderr.strip()}")
+    with ThreadPoolExecutor(1, thread_name_prefix="images") as pool:
+        built = pool.submit(images.build, cfg.node_images)
+        try:
+            ensure_binaries(components)
+        finally:
+            built.result()
+
+
+def prepare_in_background(log_file: Path, components: Sequence[str] = BINARIES) -> int:
+    """Start `prepare` detached, its output in log_file, and return its pid at once: `make test`
+    and `make demo` build the cluster's binaries and images while they install the Python
+    environment; the `up` that needs them waits on the same locks."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "hack.localcluster", "prepare", *components],
+                                 cwd=C.REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    return child.pid
 
 
 def stale_components(cfg: C.ClusterConfig | None = None) -> list[str]:
@@ -64,7 +101,7 @@ def is_up(cfg: C.ClusterConfig | None = None) -> bool:
 def up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.ClusterConfig:
     """Build missing binaries, then start whatever is not running. A no-op on a healthy cluster."""
     cfg = cfg or C.load()
-    ensure_binaries()
+    prepare(cfg)
     with proc.locked(cfg):
         return _up(cfg, timeout)
 
@@ -75,18 +112,12 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
     if all(st.values()):
         log(f"cluster already up ({cfg.state_dir})")
         # the images follow the checkout: rebuilt when their inputs changed, re-imported then
-        for i in range(len(cfg.nodes)):
-            images.load(R.containerd_address(cfg, i), names=cfg.node_images, prune=True)
+        _load_images(cfg, range(len(cfg.nodes)))
         stale = stale_components(cfg)
         if stale:
             log(f"WARNING: {', '.join(stale)} run(s) with an older configuration or code than this checkout; "
                 "`make cluster-down cluster-up` applies it")
         return cfg
-    # the nodes' Debian packages: installed when missing (as root), else named with the
-    # apt-get line to run
-    pkgs = subprocess.run([str(C.HACK / "host-packages.sh")], capture_output=True, text=True)
-    if pkgs.returncode != 0:
-        raise RuntimeError(f"hack/host-packages.sh failed:\n{pkgs.stderr.strip()}")
     if not any(proc.alive(proc.read_pid(cfg, n), proc.marker(cfg, n)) for n in components(cfg)):
         # Nothing of it runs (first start, or a machine that lost its processes): start clean
         # instead of resurrecting stale pods and half-written state.
@@ -98,15 +129,15 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
     credentials.ensure_pki(cfg)
     sec = credentials.ensure_secrets(cfg)
     credentials.write_client_files(cfg, sec)
+    loaded = False
     for name in components(cfg):
         if st.get(name):
             continue
-        if name.startswith("kubelet-"):
-            i = R.node_index(name)
-            # containers a crashed earlier cluster left in the node's (persistent) store
-            R.stop_pods(cfg, i)
-            # the images the pods run, into this node's containerd (never pulled: no registry)
-            images.load(R.containerd_address(cfg, i), names=cfg.node_images, prune=True)
+        if name.startswith("kubelet-") and not loaded:
+            # every node whose kubelet is about to start (their containerds run by now)
+            starting = [R.node_index(n) for n in components(cfg) if n.startswith("kubelet-") and not st.get(n)]
+            _load_images(cfg, starting, clean=True)
+            loaded = True
         # A running but (momentarily) unhealthy component is waited for, never restarted: on a
         # loaded machine a slow health check must not take down a cluster that others use.
         if not proc.alive(proc.read_pid(cfg, name), proc.marker(cfg, name)):
@@ -119,6 +150,22 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
     _wait_service_accounts(cfg, timeout)
     log(f"cluster up in {time.time() - t0:.1f}s: source {cfg.env_file}")
     return cfg
+
+
+def _load_images(cfg: C.ClusterConfig, nodes, clean: bool = False) -> None:
+    """The images the pods run, into each node's containerd (never pulled: no registry), all
+    nodes at once: an import is mostly disk writes, and a cold trainer image takes minutes.
+    `clean`: first remove the containers a crashed earlier cluster left in a node's
+    (persistent) store, before its kubelet starts."""
+    def one(i: int) -> None:
+        if clean:
+            R.stop_pods(cfg, i)
+        images.load(R.containerd_address(cfg, i), names=cfg.node_images, prune=True)
+
+    nodes = list(nodes)
+    with ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="load") as pool:
+        for f in [pool.submit(one, i) for i in nodes]:
+            f.result()
 
 
 def _wait_default_ready(cfg: C.ClusterConfig) -> None:

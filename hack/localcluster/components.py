@@ -22,9 +22,10 @@ CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-sche
 
 
 def components(cfg: C.ClusterConfig) -> tuple[str, ...]:
-    """Start order (stop order is the reverse): the control plane, containerd and the kubelet
-    of each node, then kube-proxy (which waits for the Node it serves to exist)."""
-    return (CONTROL_PLANE + tuple(f"{kind}-{i}" for i in range(len(cfg.nodes)) for kind in ("containerd", "kubelet"))
+    """Start order (stop order is the reverse): the control plane, every node's containerd (so
+    that the images go into all of them at once), every node's kubelet, then kube-proxy (which
+    waits for the Node it serves to exist)."""
+    return (CONTROL_PLANE + tuple(f"{kind}-{i}" for kind in ("containerd", "kubelet") for i in range(len(cfg.nodes)))
             + (("kube-proxy",) if cfg.service_proxy else ()))
 
 

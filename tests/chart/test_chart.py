@@ -16,7 +16,7 @@ import yaml
 from .chart_kit import CHART, CRD_COPY, CRD_SOURCE, DOCKERFILES, REPO, find, helm, one, render, render_text
 from .rbac_needs import LEASE_KEYS, NEEDS, granted
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.built]  # helm, from hack/build-binaries.sh
 
 # Every optional part switched on, namespace-scoped: with the defaults, the two shapes.
 ALL_ON = {"dashboard.enabled": "true", "metrics.serviceMonitor.enabled": "true",

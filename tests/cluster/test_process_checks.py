@@ -53,3 +53,43 @@ def test_start_refuses_a_taken_port_unless_told_and_records_its_configuration(tm
     finally:
         proc.stop(cfg, name, timeout=5)
     assert not alive(pid, proc.marker(cfg, name)) and proc.read_pid(cfg, name) is None
+
+
+def test_prepare_builds_the_images_while_the_binaries_build(monkeypatch, tmp_path):
+    """A new machine's first `up` waits for the Go builds (CPU) and the image builds (mostly
+    downloads and disk writes): they run side by side, each waiting for the other here, so a
+    `prepare` that ran them one after the other would time out instead."""
+    import threading
+
+    from hack.localcluster import cluster
+
+    images_started, binaries_done = threading.Event(), threading.Event()
+    calls = []
+
+    def fake_binaries(components):
+        calls.append(("binaries", tuple(components)))
+        assert images_started.wait(10), "the images did not start building before the binaries finished"
+        binaries_done.set()
+
+    def fake_images(names):
+        calls.append(("images", tuple(names)))
+        images_started.set()
+        assert binaries_done.wait(10), "the binaries did not build while the images did"
+        return {}
+
+    monkeypatch.setattr(cluster, "ensure_binaries", fake_binaries)
+    monkeypatch.setattr(cluster.images, "build", fake_images)
+    monkeypatch.setattr(cluster.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
+    cfg = C.load({"SFTJOB_CLUSTER_DIR": str(tmp_path / "state")})
+    cluster.prepare(cfg, components=("k8s", "kueue"))
+    assert sorted(calls) == [("binaries", ("k8s", "kueue")), ("images", tuple(cfg.node_images))]
+
+
+def test_every_containerd_starts_before_the_first_kubelet():
+    """`up` imports the images into all nodes at once, when the first kubelet is due: every
+    node's containerd must be running by then."""
+    names = components.components(C.load())
+    kubelets = [i for i, n in enumerate(names) if n.startswith("kubelet-")]
+    containerds = [i for i, n in enumerate(names) if n.startswith("containerd-")]
+    assert len(kubelets) == len(containerds) >= 2
+    assert max(containerds) < min(kubelets)
