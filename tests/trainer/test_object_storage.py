@@ -300,3 +300,30 @@ def test_last_committed_step_is_reported_only_after_the_upload_commits(minio, s3
         minio.proc.send_signal(signal.SIGCONT)
     assert ck.wait() == 1
     assert committed == [1]
+
+
+def test_a_parquet_read_rides_out_a_short_s3_outage(minio, monkeypatch):
+    """`make chaos` failed a run when its MinIO outage (6 s) hit a data read: pyarrow's S3
+    client gave up after its default 3 quick attempts ("Could not connect to server"). A read
+    started while S3 is down must wait for it to come back."""
+    import threading
+
+    import pyarrow.parquet as pq
+
+    from sftjob_trainer import storage
+
+    for k, v in minio.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", minio.endpoint)
+    storage._s3_filesystem.cache_clear()
+    fs, path = storage.parquet_filesystem(f"s3://{BUCKET}/data/val.parquet")
+    want = pq.read_table(path, filesystem=fs)
+    minio.stop()
+    restart = threading.Timer(4.0, minio.start)
+    restart.start()
+    try:
+        got = pq.read_table(path, filesystem=fs)
+    finally:
+        restart.join()
+        storage._s3_filesystem.cache_clear()
+    assert got.equals(want)

@@ -38,6 +38,9 @@ def split_s3(uri: str) -> tuple[str, str]:
     return parsed.netloc, parsed.path.lstrip("/")
 
 
+S3_READ_ATTEMPTS = 10
+
+
 @lru_cache(maxsize=1)
 def _s3_filesystem() -> pafs.S3FileSystem:
     # Standard AWS_* variables; AWS_ENDPOINT_URL points at S3-compatible stores (MinIO).
@@ -50,6 +53,11 @@ def _s3_filesystem() -> pafs.S3FileSystem:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         kwargs["region"] = region
+    # The model and the data are read through this client while training runs (parquet is
+    # streamed by row group): an S3 blip must not fail the run. pyarrow's default gives up
+    # after 3 attempts a few ms apart; 10 attempts with exponential backoff from 25 ms wait
+    # about 25 s for the store to answer, then fail with its error.
+    kwargs["retry_strategy"] = pafs.AwsDefaultS3RetryStrategy(max_attempts=S3_READ_ATTEMPTS)
     return pafs.S3FileSystem(**kwargs)
 
 
