@@ -167,7 +167,9 @@ build_etcd() {
 TOOLS_DIR="$CACHE/.go/tools"
 
 tools_module() {
-  [[ -f "$TOOLS_DIR/.ready" ]] && return 0
+  # Reused within a run (and by the retry of a failed one) while its versions are the same.
+  local want="helm=$HELM_VERSION kwok=$KWOK_VERSION coredns=$COREDNS_VERSION k8s=$K8S_VERSION"
+  [[ "$(cat "$TOOLS_DIR/.ready" 2>/dev/null)" == "$want" ]] && return 0
   rm -rf "$TOOLS_DIR" && mkdir -p "$TOOLS_DIR/coredns"
   {
     printf 'module local/sftjob-cluster-tools\n\ngo 1.26.0\n\nrequire (\n'
@@ -205,7 +207,7 @@ func init() {
 func main() { coremain.Run() }
 GO
   (cd "$TOOLS_DIR" && go mod tidy)
-  touch "$TOOLS_DIR/.ready"
+  echo "$want" >"$TOOLS_DIR/.ready"
 }
 
 # build_tool NAME PKG [LDFLAGS]: one binary of the tools module.

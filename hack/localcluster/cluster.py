@@ -46,15 +46,19 @@ def prepare(cfg: C.ClusterConfig | None = None, components: Sequence[str] = BINA
     Both builds lock their caches, so a second `prepare` (a test session's `up` while
     `make test` prepares in the background) waits for the first and then finds all built."""
     cfg = cfg or C.load()
+    host_packages()
+    with ThreadPoolExecutor(1, thread_name_prefix="images") as pool:
+        built = pool.submit(images.build, cfg.node_images)
+        ensure_binaries(components)  # a failed Go build raises once the images are done
+    built.result()
+
+
+def host_packages() -> None:
+    """The nodes' Debian packages: installed when missing (as root), else named with the
+    apt-get line to run."""
     pkgs = subprocess.run([str(C.HACK / "host-packages.sh")], capture_output=True, text=True)
     if pkgs.returncode != 0:
         raise RuntimeError(f"hack/host-packages.sh failed:\n{pkgs.stderr.strip()}")
-    with ThreadPoolExecutor(1, thread_name_prefix="images") as pool:
-        built = pool.submit(images.build, cfg.node_images)
-        try:
-            ensure_binaries(components)
-        finally:
-            built.result()
 
 
 def prepare_in_background(log_file: Path, components: Sequence[str] = BINARIES) -> int:

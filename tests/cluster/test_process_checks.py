@@ -79,7 +79,7 @@ def test_prepare_builds_the_images_while_the_binaries_build(monkeypatch, tmp_pat
 
     monkeypatch.setattr(cluster, "ensure_binaries", fake_binaries)
     monkeypatch.setattr(cluster.images, "build", fake_images)
-    monkeypatch.setattr(cluster.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
+    monkeypatch.setattr(cluster, "host_packages", lambda: None)
     cfg = C.load({"SFTJOB_CLUSTER_DIR": str(tmp_path / "state")})
     cluster.prepare(cfg, components=("k8s", "kueue"))
     assert sorted(calls) == [("binaries", ("k8s", "kueue")), ("images", tuple(cfg.node_images))]
