@@ -48,7 +48,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-kinds", type=int, default=4, help="fail below this many kinds injected (default 4)")
     p.add_argument("--interval", type=int, default=2, help="checkpoint.interval of the job (steps)")
     p.add_argument("--keep", type=int, default=2, help="checkpoint.keep of the job")
-    p.add_argument("--steps", type=int, default=0, help="training steps (default: interval x (2 x faults + 4))")
+    p.add_argument("--steps", type=int, default=0, help="training steps (default: interval x (6 x faults + 4))")
     p.add_argument("--minio-outage", type=float, default=6.0, help="seconds MinIO stays stopped")
     p.add_argument("--namespace", default="sftjob-chaos")
     p.add_argument("--system-namespace", default="sftjob-chaos-system")
@@ -69,7 +69,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.min_faults = args.faults if args.min_faults is None else args.min_faults
     # Faults that do not stop training (operator kills, MinIO) let it run on while their
     # effect is awaited: about 3 steps per fault on this machine, so twice the faults in intervals.
-    args.steps = args.steps or args.interval * (2 * args.faults + 4)
+    # A fault waits for the harness to see a new committed checkpoint, while the trainer goes
+    # on: on a fast machine about 5 intervals pass between faults (seen: steps 5, 15, 24),
+    # so 2 per fault let the job finish before the plan did. 6 leave room.
+    args.steps = args.steps or args.interval * (6 * args.faults + 4)
     args.workdir = args.workdir.resolve()
     return args
 

@@ -24,7 +24,9 @@ node's pod still reads Running and its Node Ready until the node controller's gr
 peer node's heartbeat, its Lease in kube-node-lease, which a live kubelet renews every quarter
 of the Lease's duration (`settle_generic_failure`): renewed after the failure, the node is
 alive and the failure counts as one; silent for the Lease's whole duration, the node is lost
-and the gang restarts as a preemption; in between, the verdict waits.
+and the gang restarts as a preemption; in between, the verdict waits. Even beside a live node
+the verdict waits ECHO_SETTLE_S from the failure: a SIGKILLed rank's exit reaches its pod's
+status after the error it caused in its peer.
 
 Exit codes and the termination message follow docs/trainer-contract.md.
 """
@@ -260,10 +262,17 @@ def _finished_at(pod: dict[str, Any] | None) -> datetime | None:
         return None
 
 
+# How long a generic failure beside a running peer waits for that peer's status to show why
+# (a SIGKILLed rank's exit 137 can reach its pod after its peer's collective error: make chaos
+# counted such a restart as a failure).
+ECHO_SETTLE_S = 10.0
+
+
 def settle_generic_failure(outcomes: dict[int, PodOutcome | None], pods: dict[int, dict[str, Any]],
                            leases: dict[str, NodeLease], now: datetime) -> tuple[dict[int, PodOutcome | None], float]:
-    """A generic failure (exit 1..127, not deterministic) beside peers that still run: is each
-    such peer's node alive? Returns the outcomes with every peer whose node has not renewed its
+    """A generic failure (exit 1..127, not deterministic) beside peers that still run: for
+    ECHO_SETTLE_S after it the verdict waits for the peers' own status; and is each such peer's
+    node alive? Returns the outcomes with every peer whose node has not renewed its
     Lease for the Lease's whole duration since the failure turned PREEMPTED (its machine is
     gone: the failure was its echo), and how many seconds to wait before the verdict when a
     peer's node has not renewed since the failure yet but may still (0: judge now). A peer whose
@@ -276,9 +285,14 @@ def settle_generic_failure(outcomes: dict[int, PodOutcome | None], pods: dict[in
     failed_at = min(times)
     out, hold = dict(outcomes), 0.0
     for r, o in outcomes.items():
+        if not o or o.state is not State.RUNNING:
+            continue
+        # the peer's own end (SIGKILL, eviction) may reach its pod's status after the failure
+        # it caused: give it ECHO_SETTLE_S from the failure to show
+        hold = max(hold, ECHO_SETTLE_S - (now - failed_at).total_seconds())
         node = ((pods.get(r) or {}).get("spec") or {}).get("nodeName", "")
         lease = leases.get(node)
-        if not o or o.state is not State.RUNNING or lease is None:
+        if lease is None:
             continue
         if (lease.renewed - failed_at).total_seconds() > LEASE_CLOCK_SLACK_S:
             continue  # renewed after the failure: the node is alive

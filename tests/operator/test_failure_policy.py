@@ -150,8 +150,10 @@ def _lease(renewed_s):
 
 
 @pytest.mark.parametrize("failed_exit, lease_renewed_s, now_s, peer, hold, verdict", [
-    # node-a renewed 3 s after rank 1 failed: alive, so the failure is a failure
-    (1, 3, 5, fp.State.RUNNING, 0.0, fp.Verdict.RESTART_FAILED),
+    # node-a renewed 3 s after rank 1 failed: alive; the verdict still waits ECHO_SETTLE_S for
+    # rank 0's own status (a SIGKILL shows late), then the failure is a failure
+    (1, 3, 5, fp.State.RUNNING, 5.0, fp.Verdict.RESTART_FAILED),
+    (1, 3, 12, fp.State.RUNNING, 0.0, fp.Verdict.RESTART_FAILED),
     # node-a last renewed 2 s before the failure and it is 5 s later: wait for its next renewal
     (1, -2, 5, fp.State.RUNNING, 33.0, fp.Verdict.RESTART_FAILED),
     # a renewal within the second of finishedAt may predate the failure: still wait
@@ -176,9 +178,10 @@ def test_a_generic_failure_waits_for_the_running_peers_node(failed_exit, lease_r
         assert "rank 1 then failed (TrainingError), counted with the preemption" in got.message
 
 
-def test_without_a_lease_or_a_finish_time_nothing_waits():
+def test_without_a_lease_only_the_echo_window_waits_and_without_a_finish_time_nothing():
     pods = {0: _on(POD, "node-a"), 1: _failed_at(1, T0)}
     outcomes = {r: fp.classify_pod(p) for r, p in pods.items()}
-    assert fp.settle_generic_failure(outcomes, pods, {}, T0 + timedelta(seconds=5)) == (outcomes, 0.0)
+    assert fp.settle_generic_failure(outcomes, pods, {}, T0 + timedelta(seconds=5)) == (outcomes, 5.0)
+    assert fp.settle_generic_failure(outcomes, pods, {}, T0 + timedelta(seconds=11)) == (outcomes, 0.0)
     del pods[1]["status"]["containerStatuses"][0]["state"]["terminated"]["finishedAt"]
     assert fp.settle_generic_failure(outcomes, pods, {"node-a": _lease(-2)}, T0) == (outcomes, 0.0)
