@@ -28,6 +28,11 @@ and the gang restarts as a preemption; in between, the verdict waits. Even besid
 the verdict waits ECHO_SETTLE_S from the failure: a SIGKILLed rank's exit reaches its pod's
 status after the error it caused in its peer.
 
+A NotReady node restarts the gang of the pods on it, but only the pods bound to it before it
+went NotReady (`node_ready_for`): a node lost and restored within seconds gets the next gang's
+pods while the operator's reading of it may still say NotReady, and that one loss must not
+restart the new gang as well.
+
 Exit codes and the termination message follow docs/trainer-contract.md.
 """
 from __future__ import annotations
@@ -240,6 +245,43 @@ def judge_gang(outcomes: dict[int, PodOutcome | None], nodes: int) -> GangVerdic
         return GangVerdict(Verdict.STARTING, stuck_reason=stuck[1].reason,
                            stuck_message=f"rank {stuck[0]}: {stuck[1].message}" if stuck[1].message else "")
     return GangVerdict(Verdict.RUNNING)
+
+
+@dataclass(frozen=True)
+class NodeReadiness:
+    """A node's Ready condition as last read: `ready` (Unknown reads as not ready) and the
+    condition's lastTransitionTime (`since`, None when unknown)."""
+
+    ready: bool
+    since: datetime | None = None
+
+
+def _bound_at(pod: dict[str, Any]) -> datetime | None:
+    cond = _condition(pod, "PodScheduled")
+    if not cond or cond.get("status") != "True":
+        return None
+    try:
+        return parse_time(cond.get("lastTransitionTime"))
+    except ValueError:
+        return None
+
+
+def node_ready_for(pod: dict[str, Any], node: NodeReadiness | None) -> bool | None:
+    """The readiness of POD's node as held against the pod (None: unknown, not held).
+
+    A NotReady reading from before the pod was bound to the node is outdated for it: the
+    scheduler binds only to a Ready node, so the node has come back since (a reading cached
+    a few seconds, a node restored right after its loss). Bound in a later second than the
+    node went NotReady, the pod waits for the next reading instead of restarting its gang.
+    """
+    if node is None:
+        return None
+    if node.ready or node.since is None:
+        return node.ready
+    bound = _bound_at(pod)
+    if bound is not None and bound > node.since:
+        return None
+    return False
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from kubernetes.client.exceptions import ApiException
 
 from . import api
 from .builders import LABEL_JOB
-from .failure_policy import NodeLease
+from .failure_policy import NodeLease, NodeReadiness
+from .status import parse_time
 
 NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each kubelet renews the Lease named like its node
 
@@ -25,6 +26,13 @@ NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each kubelet renews the Lease 
 # (connect, read) seconds for every API call: a call that hangs (a half-open connection, an
 # overloaded API server) fails and is retried instead of freezing its job's reconcile for good.
 API_TIMEOUT = (5.0, 30.0)
+
+
+def _since(stamp: str | None) -> datetime | None:
+    try:
+        return parse_time(stamp)
+    except ValueError:
+        return None
 
 
 def _run(fn, *args, **kwargs):
@@ -51,7 +59,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
-        self._nodes: dict[str, tuple[float, bool | None]] = {}
+        self._nodes: dict[str, tuple[float, NodeReadiness | None]] = {}
         self._nodes_forbidden = False
         self._leases_forbidden = False
 
@@ -177,9 +185,9 @@ class Kube:
                 continue
         return out
 
-    async def node_ready(self, names: set[str]) -> dict[str, bool]:
+    async def node_ready(self, names: set[str]) -> dict[str, NodeReadiness]:
         """Ready condition of the given nodes (cached 5 s); empty when RBAC forbids reading."""
-        out: dict[str, bool] = {}
+        out: dict[str, NodeReadiness] = {}
         if self._nodes_forbidden:
             return out
         now = time.monotonic()
@@ -191,12 +199,14 @@ class Kube:
                 try:
                     node = await self._call(self.core.read_node, name)
                     conds = (node.get("status") or {}).get("conditions") or []
-                    ready = next((x["status"] == "True" for x in conds if x.get("type") == "Ready"), None)
+                    cond = next((x for x in conds if x.get("type") == "Ready"), None)
+                    ready = None if cond is None else NodeReadiness(cond.get("status") == "True",
+                                                                     _since(cond.get("lastTransitionTime")))
                 except ApiException as err:
                     if err.status == 403:
                         self._nodes_forbidden = True
                         return {}
-                    ready = False if err.status == 404 else None  # a deleted node is a lost node
+                    ready = NodeReadiness(False) if err.status == 404 else None  # a deleted node is lost
                 self._nodes[name] = (now, ready)
             if ready is not None:
                 out[name] = ready

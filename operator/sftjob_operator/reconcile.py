@@ -50,7 +50,7 @@ class _Pass:
     """One reconcile pass over one job; builds a Plan."""
 
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], now: datetime,
-                 node_ready: dict[str, bool] | None, metrics: dict[str, float] | None,
+                 node_ready: dict[str, fp.NodeReadiness] | None, metrics: dict[str, float] | None,
                  rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None):
         self.body = body
         self.meta = body["metadata"]
@@ -261,7 +261,7 @@ class _Pass:
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.spec.resources.nodes
         self.queued = self.track_admission(current)
-        outcomes = {r: fp.classify_pod(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", "")))
+        outcomes = {r: fp.classify_pod(p, fp.node_ready_for(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", ""))))
                     for r, p in current.items()}
         outcomes, settle_s = fp.settle_generic_failure(outcomes, current, self.node_leases, self.now)
         verdict = fp.judge_gang(outcomes, nodes)
@@ -387,10 +387,11 @@ class _Pass:
 
 
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,
-         node_ready: dict[str, bool] | None = None, metrics: dict[str, float] | None = None,
+         node_ready: dict[str, fp.NodeReadiness] | None = None, metrics: dict[str, float] | None = None,
          rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None) -> Plan:
     """Decide what to do for one SFTJob given its pods (see module docstring).
 
+    `node_ready`: the Ready condition of the nodes of pending and running pods.
     `rejection`: the API server refused to create a pod of the current attempt.
     `node_leases`: the heartbeats of the nodes of running pods, read when a rank has failed
     (failure_policy.settle_generic_failure)."""

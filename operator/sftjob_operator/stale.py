@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from .failure_policy import NodeReadiness, node_ready_for
 from .status import parse_time
 
 FORCE_DELETE_AFTER_S = 30.0  # past its grace period, a pod on a NotReady node is force-deleted
@@ -27,7 +28,7 @@ class Lingering:
     message: str
 
 
-def lingering(stale: list[dict[str, Any]], node_ready: dict[str, bool], now: datetime) -> list[Lingering]:
+def lingering(stale: list[dict[str, Any]], node_ready: dict[str, NodeReadiness], now: datetime) -> list[Lingering]:
     """The stale pods still there after their grace period, and what to do about each."""
     out = []
     for pod in stale:
@@ -37,7 +38,7 @@ def lingering(stale: list[dict[str, Any]], node_ready: dict[str, bool], now: dat
             continue
         where = f"node {node}" if node else "no node"
         over = (now - deadline).total_seconds()
-        if node_ready.get(node) is False and over >= FORCE_DELETE_AFTER_S:
+        if node_ready_for(pod, node_ready.get(node)) is False and over >= FORCE_DELETE_AFTER_S:
             out.append(Lingering(meta["name"], True,
                                  f"pod {meta['name']} was still terminating on {where}, which is not ready, "
                                  f"{over:.0f}s after its grace period; force-deleted so that the gang can restart"))

@@ -61,6 +61,28 @@ def test_node_not_ready_is_preemption():
     assert fp.classify_pod(POD, node_ready=None).state is fp.State.RUNNING
 
 
+NOT_READY_AT_20 = fp.NodeReadiness(False, since=datetime(2026, 1, 1, 12, 0, 20, tzinfo=timezone.utc))
+
+
+def _bound_at(stamp):
+    return _with(conditions=[{"type": "PodScheduled", "status": "True", "lastTransitionTime": stamp}])
+
+
+@pytest.mark.parametrize("pod, node, held", [
+    (POD, None, None),                                                    # never read
+    (POD, fp.NodeReadiness(True), True),
+    (POD, fp.NodeReadiness(False), False),                                # since unknown
+    (POD, NOT_READY_AT_20, False),                                        # binding unknown
+    (_bound_at("2026-01-01T12:00:05Z"), NOT_READY_AT_20, False),          # bound, then lost
+    (_bound_at("2026-01-01T12:00:20Z"), NOT_READY_AT_20, False),          # same second: held
+    (_bound_at("2026-01-01T12:00:21Z"), NOT_READY_AT_20, None),           # bound to it since: outdated
+    (_with(conditions=[{"type": "PodScheduled", "status": "False",
+                        "lastTransitionTime": "2026-01-01T12:00:30Z"}]), NOT_READY_AT_20, False),
+])
+def test_a_not_ready_reading_is_held_only_against_pods_bound_before_it(pod, node, held):
+    assert fp.node_ready_for(pod, node) is held
+
+
 def test_termination_message_parsing():
     assert fp.parse_termination_message("InvalidData: no rows") == ("InvalidData", "no rows")
     assert fp.parse_termination_message("log line\nTrainingError: nan loss") == ("TrainingError", "nan loss")

@@ -7,6 +7,7 @@ import pytest
 from .op_testkit import at, job_body, pods_for
 
 from sftjob_operator import stale
+from sftjob_operator.failure_policy import NodeReadiness
 
 pytestmark = pytest.mark.unit
 POD = pods_for(job_body())[0]   # on node-0
@@ -28,7 +29,7 @@ def _deleting(grace_ended_at: str | None):
     ("2026-01-01T12:00:00Z", False, at(30), True, True),     # node lost: force-delete
 ])
 def test_lingering(ends, node_ready, now, force, lingering):
-    ready = {} if node_ready is None else {"node-0": node_ready}
+    ready = {} if node_ready is None else {"node-0": NodeReadiness(node_ready)}
     out = stale.lingering([_deleting(ends)], ready, now)
     assert bool(out) == lingering
     if out:

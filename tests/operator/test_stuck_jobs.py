@@ -6,6 +6,7 @@ import pytest
 from .op_testkit import apply, at, cond, job_body, pods_for, running_job, terminated
 
 from sftjob_operator import builders, reconcile, rejections
+from sftjob_operator.failure_policy import NodeReadiness
 
 pytestmark = pytest.mark.unit
 
@@ -34,7 +35,7 @@ def test_old_pod_stuck_terminating_on_lost_node_is_force_deleted():
     body = apply(body, reconcile.plan(body, pods[:1], at(30)))  # rank 1 lost: restart
     old = pods[:1]
     old[0]["metadata"]["deletionTimestamp"] = "2026-01-01T12:01:10Z"  # grace 40 s from 12:00:30
-    ready = {"node-0": False}
+    ready = {"node-0": NodeReadiness(False)}
     # Within the grace period, and just after it: wait (a kubelet may still confirm).
     assert not reconcile.plan(body, old, at(60), node_ready=ready).force_delete_pods
     assert not reconcile.plan(body, old, at(80), node_ready=ready).force_delete_pods
@@ -42,9 +43,9 @@ def test_old_pod_stuck_terminating_on_lost_node_is_force_deleted():
     assert plan.force_delete_pods == ["tiny-node-0"]
     assert [e.reason for e in plan.events] == ["ForceDeletedPod"]
     # A ready node's kubelet finishes the termination itself: never forced.
-    assert not reconcile.plan(body, old, at(101), node_ready={"node-0": True}).force_delete_pods
+    assert not reconcile.plan(body, old, at(101), node_ready={"node-0": NodeReadiness(True)}).force_delete_pods
     # The active deadline still fires while an old pod hangs on.
-    plan = reconcile.plan(body, old, at(400), node_ready={"node-0": True})
+    plan = reconcile.plan(body, old, at(400), node_ready={"node-0": NodeReadiness(True)})
     assert plan.status["phase"] == "Failed" and cond(plan.status, "Failed")["reason"] == "DeadlineExceeded"
 
 
@@ -296,17 +297,50 @@ def test_a_dead_machines_survivor_failing_first_is_counted_as_the_preemption():
     gang = [pods[0], failed]
     last_beat = {"node-0": NodeLease(renewed=at(18), duration_s=40)}   # before the failure
 
-    waiting = reconcile.plan(body, gang, at(22), node_ready={"node-0": True}, node_leases=last_beat)
+    waiting = reconcile.plan(body, gang, at(22), node_ready={"node-0": NodeReadiness(True)}, node_leases=last_beat)
     assert waiting.status is None or waiting.status.get("phase") == "Running"
     assert not waiting.delete_pods and waiting.requeue_after <= 2.0
 
-    lost = reconcile.plan(body, gang, at(58), node_ready={"node-0": True}, node_leases=last_beat)
+    lost = reconcile.plan(body, gang, at(58), node_ready={"node-0": NodeReadiness(True)}, node_leases=last_beat)
     assert lost.status["phase"] == "Restarting"
     assert lost.status["restarts"] == {**lost.status["restarts"], "preemptions": 1, "failures": 0}
 
     alive = {"node-0": NodeLease(renewed=at(24), duration_s=40)}          # a heartbeat after it
     # within ECHO_SETTLE_S of the failure the verdict still waits for rank 0's own status
-    settling = reconcile.plan(body, gang, at(25), node_ready={"node-0": True}, node_leases=alive)
+    settling = reconcile.plan(body, gang, at(25), node_ready={"node-0": NodeReadiness(True)}, node_leases=alive)
     assert not settling.delete_pods and settling.requeue_after <= 2.0
-    failure = reconcile.plan(body, gang, at(31), node_ready={"node-0": True}, node_leases=alive)
+    failure = reconcile.plan(body, gang, at(31), node_ready={"node-0": NodeReadiness(True)}, node_leases=alive)
     assert failure.status["restarts"] == {**failure.status["restarts"], "preemptions": 0, "failures": 1}
+
+
+def _bound(pod, seconds):
+    """The pod as the API server shows it once the scheduler bound it at at(seconds)."""
+    pod = dict(pod, status={**pod["status"], "conditions": [
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": f"2026-01-01T12:{seconds // 60:02d}:{seconds % 60:02d}Z"}]})
+    return pod
+
+
+def test_a_node_back_from_the_dead_does_not_restart_the_gang_placed_on_it():
+    """make chaos: node-1 was lost (one preemption, right), its kubelet came back, and the new
+    gang's rank 0 was bound to it while the operator's last reading of node-1 still said
+    NotReady. The new gang was restarted a second time ("NodeNotReady: rank 0"): two
+    preemptions for one lost node. A NotReady reading from before a pod was bound to the node
+    is outdated for that pod (the scheduler binds only to a Ready node)."""
+    body, pods = running_job()
+    pods = [_bound(p, 3) for p in pods]
+    lost = {"node-1": NodeReadiness(False, since=at(25)), "node-0": NodeReadiness(True, since=at(0))}
+    plan = reconcile.plan(body, pods, at(30), node_ready=lost)
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"]["preemptions"] == 1
+    assert "NodeNotReady" in plan.status["message"] or plan.restart_cause == "preemption"
+    body = apply(body, plan)
+    body = apply(body, reconcile.plan(body, [], at(41)))
+    # the new gang: rank 0 on the restored node-1, bound at 12:00:50
+    new = [_bound(p, 50) for p in pods_for(body, attempt=1)]
+    new[0]["spec"]["nodeName"], new[1]["spec"]["nodeName"] = "node-1", "node-0"
+    plan = reconcile.plan(body, new, at(52), node_ready=lost)   # the reading from 12:00:25
+    assert plan.status["phase"] == "Running", plan.status.get("message")
+    assert plan.status["restarts"]["preemptions"] == 1 and not plan.delete_pods
+    # node-1 lost again after the binding: that is a second preemption
+    again = {**lost, "node-1": NodeReadiness(False, since=at(70))}
+    plan = reconcile.plan(apply(body, plan), new, at(75), node_ready=again)
+    assert plan.status["phase"] == "Restarting" and plan.status["restarts"]["preemptions"] == 2
