@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import time
@@ -30,12 +31,12 @@ from typing import Any
 from hack.localcluster.kube import ApiError
 from hack.localcluster.logtap import LogTap
 
-from .faults import KINDS, OPT_IN, Fault
+from .faults import KINDS, OPT_IN, Fault, Injector, wait_for
 from .harness import (JOBS, REPO, Ctx, delete_jobs, install_operator, make_assets, manifest, say, spec_hash,
                       wait_finished)
 from .monitor import Monitor
 from .report import rank0_log, report_checkpoints, report_faults, report_restarts, report_weights
-from .runner import run_faulty
+from .runner import plan_kinds, rank0_step, run_faulty
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -48,7 +49,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-kinds", type=int, default=4, help="fail below this many kinds injected (default 4)")
     p.add_argument("--interval", type=int, default=2, help="checkpoint.interval of the job (steps)")
     p.add_argument("--keep", type=int, default=2, help="checkpoint.keep of the job")
-    p.add_argument("--steps", type=int, default=0, help="training steps (default: interval x (6 x faults + 4))")
+    p.add_argument("--steps", type=int, default=0,
+                   help="training steps (default: interval x (6 x faults + 4), plus what each node-lost fault "
+                        "lets pass at the speed the reference run measured)")
     p.add_argument("--minio-outage", type=float, default=6.0, help="seconds MinIO stays stopped")
     p.add_argument("--namespace", default="sftjob-chaos")
     p.add_argument("--system-namespace", default="sftjob-chaos-system")
@@ -71,11 +74,73 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     # effect is awaited: about 3 steps per fault on this machine, so twice the faults in intervals.
     # A fault waits for the harness to see a new committed checkpoint, while the trainer goes
     # on: on a fast machine about 5 intervals pass between faults (seen: steps 5, 15, 24),
-    # so 2 per fault let the job finish before the plan did. 6 leave room.
+    # so 2 per fault let the job finish before the plan did. 6 leave room. A node loss lets
+    # far more pass (calibrated_steps).
+    args.fixed_steps = bool(args.steps)
     args.steps = args.steps or args.interval * (6 * args.faults + 4)
     args.workdir = args.workdir.resolve()
     return args
 
+
+
+# A lost node's pods train on, unsupervised, until the Node turns NotReady (the controller
+# manager's grace period, about 20 s here) and the operator restarts the gang: about 25 s of
+# training pass during one node-lost fault (90 steps at 3.6 steps/s on a fast 2-core machine,
+# where a job of the old length finished before its 12th fault). Budgeted with room.
+NODE_LOST_S = 45.0
+NODE_LOST_MIN_STEPS = 30  # budgeted before the speed is known: a slow machine needs no rerun
+
+
+def calibrated_steps(base: int, interval: int, node_losses: int, steps_per_s: float | None) -> int:
+    """Training steps for a fault plan: BASE plus, per node-lost fault, the steps that pass
+    while the lost node turns NotReady (NODE_LOST_S at the measured speed, at least
+    NODE_LOST_MIN_STEPS), rounded up to whole checkpoint intervals."""
+    per_loss = max(NODE_LOST_MIN_STEPS, math.ceil(NODE_LOST_S * (steps_per_s or 0.0)))
+    steps = base + node_losses * per_loss
+    return -(-steps // interval) * interval
+
+
+class StepClock:
+    """Training speed of a running job, from its rank-0 metrics endpoint read now and then."""
+
+    def __init__(self, ctx: Ctx, name: str):
+        self.inj = Injector(ctx.cfg, ctx.kube, ctx.args.namespace, name, ctx.args.system_namespace,
+                            ctx.args.release, random.Random(0))
+        self.ctx = ctx
+        self.first: tuple[float, int] | None = None
+        self.last: tuple[float, int] | None = None
+
+    def sample(self) -> None:
+        try:
+            step = rank0_step(self.ctx, self.inj, None)
+        except (ApiError, OSError):
+            return
+        if step is None or step <= 0:
+            return
+        now = time.time()
+        if self.first is None:
+            self.first = (now, step)
+        elif step > self.first[1]:
+            self.last = (now, step)
+
+    def steps_per_s(self) -> float | None:
+        if self.first is None or self.last is None or self.last[0] - self.first[0] < 5.0:
+            return None
+        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+
+
+def run_reference(ctx: Ctx, name: str, obj: dict[str, Any]) -> tuple[dict, float | None]:
+    """Create the reference job and wait for it; returns it and its training speed (steps/s)."""
+    ctx.kube.create(JOBS.format(ns=ctx.args.namespace), obj)
+    clock = StepClock(ctx, name)
+
+    def finished():
+        clock.sample()
+        job = ctx.get_job(name)
+        return job if job and (job.get("status") or {}).get("phase") in ("Succeeded", "Failed") else None
+
+    job = wait_for(finished, ctx.args.job_timeout, f"{name} to finish", interval=1.0)
+    return job, clock.steps_per_s()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     summary: dict[str, Any] = {"seed": args.seed, "args": {k: str(v) for k, v in vars(args).items()}}
     ctx = Ctx(args)
+    # the plan is drawn first (the faulty run gets it): its node losses set the job's length
+    plan = plan_kinds(rng, args.kinds, args.faults)
+    node_losses = plan.count("node-lost")
+    if not args.fixed_steps:
+        args.steps = calibrated_steps(args.steps, args.interval, node_losses, None)
     if not args.skip_install:
         install_operator(ctx)
     make_assets(ctx)
     ref_name, run_name = f"chaos-ref-{args.seed}", f"chaos-run-{args.seed}"
     ref_obj = manifest(args, ref_name)
     old = ctx.get_job(ref_name) if args.reuse_reference else None
+    old_steps = ((old or {}).get("spec", {}).get("training") or {}).get("totalTrainingSteps") or 0
+    if old and not args.fixed_steps and old_steps > args.steps:   # a run that calibrated its length
+        args.steps = old_steps
+        ref_obj = manifest(args, ref_name)
     reuse = bool(old and (old.get("status") or {}).get("phase") == "Succeeded" and
                  old["metadata"].get("labels", {}).get("sftjob.io/chaos-spec") == spec_hash(ref_obj))
     delete_jobs(ctx, keep=ref_name if reuse else None)
@@ -104,8 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         say(f"reference job {args.namespace}/{ref_name}: {args.steps} steps, checkpoint every {args.interval}, "
             f"keep {args.keep}, S3 output; no faults")
-        ctx.kube.create(JOBS.format(ns=args.namespace), ref_obj)
-        ref = wait_finished(ctx, ref_name, args.job_timeout)
+        ref, speed = run_reference(ctx, ref_name, ref_obj)
+        need = calibrated_steps(args.interval * (6 * args.faults + 4), args.interval, node_losses, speed)
+        if not args.fixed_steps and need > args.steps and ref["status"].get("phase") == "Succeeded":
+            say(f"reference: {speed:.1f} steps/s, so the plan's {node_losses} node loss(es) would let the job "
+                f"finish before its last fault; again with {need} steps")
+            args.steps = need
+            delete_jobs(ctx)
+            t = time.time()
+            ref_obj = manifest(args, ref_name)
+            ref, speed = run_reference(ctx, ref_name, ref_obj)
     say(f"reference: {ref['status']['phase']} in {time.time() - t:.0f}s, restarts {ref['status'].get('restarts')}")
     summary["reference"] = {"phase": ref["status"]["phase"], "seconds": round(time.time() - t),
                             "restarts": ref["status"].get("restarts"), "uri": (ref["status"].get("output") or {}).get("uri")}
@@ -125,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     faults: list[Fault] = []
     error = None
     try:
-        faults = run_faulty(ctx, run_name, mon, rng)
+        faults = run_faulty(ctx, run_name, mon, rng, plan)
         run = wait_finished(ctx, run_name, args.job_timeout)
     except (TimeoutError, ApiError, OSError) as e:
         error = f"{type(e).__name__}: {e}"

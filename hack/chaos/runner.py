@@ -12,7 +12,7 @@ from .harness import METRICS_PORT, Ctx, restarts, say
 from .monitor import Monitor
 
 
-def rank0_step(ctx: Ctx, injector: Injector, attempt: int) -> int | None:
+def rank0_step(ctx: Ctx, injector: Injector, attempt: int | None) -> int | None:
     """The trainer's own step, read from the rank-0 pod's metrics endpoint (the host reaches pod IPs)."""
     for p in injector.job_pods(attempt):
         if p["metadata"]["labels"].get("sftjob.io/rank") == "0" and p["status"].get("podIP"):
@@ -43,11 +43,11 @@ def plan_kinds(rng: random.Random, kinds: list[str], n: int) -> list[str]:
     return seq
 
 
-def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random) -> list[Fault]:
+def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: list[str]) -> list[Fault]:
+    """Inject the planned KINDS (plan_kinds) into job NAME, one after the other."""
     a = ctx.args
     inj = Injector(ctx.cfg, ctx.kube, a.namespace, name, a.system_namespace, a.release, rng,
                    minio_outage_s=a.minio_outage, log=say)
-    kinds = plan_kinds(rng, a.kinds, a.faults)
     say(f"fault plan (seed {a.seed}): {', '.join(kinds)}")
     faults: list[Fault] = []
     last_ckpt = None

@@ -46,6 +46,21 @@ def test_plan_covers_every_kind_and_is_seeded():
 
 
 @pytest.mark.unit
+def test_a_job_is_long_enough_for_its_node_losses_at_the_measured_speed():
+    """On a fast machine a 12-fault job (152 steps) finished before its last fault: the pods of
+    a lost node train on, ~90 steps, until the Node turns NotReady."""
+    from hack.chaos.run import NODE_LOST_MIN_STEPS, calibrated_steps
+
+    base = 2 * (6 * 12 + 4)
+    assert calibrated_steps(base, 2, 0, 3.6) == base                       # no node loss: as before
+    assert calibrated_steps(base, 2, 1, None) == base + NODE_LOST_MIN_STEPS  # speed not known yet
+    assert calibrated_steps(base, 2, 1, 0.4) == base + NODE_LOST_MIN_STEPS  # a slow machine
+    fast = calibrated_steps(base, 2, 1, 3.6)
+    assert fast >= base + 90 + 2 * 6 and fast % 2 == 0                    # the run that failed, and room
+    assert calibrated_steps(base, 2, 2, 3.6) - base == 2 * (fast - base)
+
+
+@pytest.mark.unit
 def test_restarts_are_attributed_to_the_fault_before_them():
     from hack.chaos.faults import Fault
     from hack.chaos.report import attribute
