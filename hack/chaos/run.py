@@ -172,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # -- the reference run ----------------------------------------------------------------
     t = time.time()
+    speed = None
     if reuse:
         ref = old
         say(f"reference job {args.namespace}/{ref_name}: reusing the earlier run of the same spec (--reuse-reference)")
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=[{"index": f.index, "kind": f.kind, "step": f.at_step, "target": f.target, "detail": f.detail,
                  "expected": f.expected, "observed": f.observed, "ok": f.ok,
                  "restart_reasons": f.extra.get("restart_reasons")} for f in faults],
-        kinds=kinds_used, restarts=st.get("restarts"), expected_preemptions=exp_pre,
+        kinds=kinds_used, steps=args.steps, steps_per_s=speed, restarts=st.get("restarts"), expected_preemptions=exp_pre,
         committed=sorted(mon.committed), attempts=[vars(x) for x in mon.attempts], phase=st.get("phase"),
         problems=problems, ok=not problems, seconds=round(time.time() - t0), weights_identical=cmp_ok)
     (args.workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
