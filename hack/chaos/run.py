@@ -77,7 +77,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     # so 2 per fault let the job finish before the plan did. 6 leave room. A node loss lets
     # far more pass (calibrated_steps).
     args.fixed_steps = bool(args.steps)
-    args.steps = args.steps or args.interval * (6 * args.faults + 4)
+    args.base_steps = args.interval * (6 * args.faults + 4)
+    args.steps = args.steps or args.base_steps
     args.workdir = args.workdir.resolve()
     return args
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"reference job {args.namespace}/{ref_name}: {args.steps} steps, checkpoint every {args.interval}, "
             f"keep {args.keep}, S3 output; no faults")
         ref, speed = run_reference(ctx, ref_name, ref_obj)
-        need = calibrated_steps(args.interval * (6 * args.faults + 4), args.interval, node_losses, speed)
+        need = calibrated_steps(args.base_steps, args.interval, node_losses, speed)
         if not args.fixed_steps and need > args.steps and ref["status"].get("phase") == "Succeeded":
             say(f"reference: {speed:.1f} steps/s, so the plan's {node_losses} node loss(es) would let the job "
                 f"finish before its last fault; again with {need} steps")
