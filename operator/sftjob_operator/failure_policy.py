@@ -46,7 +46,7 @@ from sftjob_contract import exits
 
 from . import conditions as c
 from . import queueing
-from .status import parse_time
+from .status import observed_time
 
 MAX_RESTART_BACKOFF_S = 300.0
 
@@ -258,12 +258,7 @@ class NodeReadiness:
 
 def _bound_at(pod: dict[str, Any]) -> datetime | None:
     cond = _condition(pod, "PodScheduled")
-    if not cond or cond.get("status") != "True":
-        return None
-    try:
-        return parse_time(cond.get("lastTransitionTime"))
-    except ValueError:
-        return None
+    return observed_time(cond.get("lastTransitionTime")) if cond and cond.get("status") == "True" else None
 
 
 def node_ready_for(pod: dict[str, Any], node: NodeReadiness | None) -> bool | None:
@@ -298,10 +293,7 @@ LEASE_CLOCK_SLACK_S = 1.0
 
 def _finished_at(pod: dict[str, Any] | None) -> datetime | None:
     term = _terminated(pod) if pod else None
-    try:
-        return parse_time(term.get("finishedAt")) if term else None
-    except ValueError:
-        return None
+    return observed_time(term.get("finishedAt")) if term else None
 
 
 # How long a generic failure beside a running peer waits for that peer's status to show why

@@ -18,7 +18,7 @@ from kubernetes.client.exceptions import ApiException
 from . import api
 from .builders import LABEL_JOB
 from .failure_policy import NodeLease, NodeReadiness
-from .status import parse_time
+from .status import observed_time
 
 NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each kubelet renews the Lease named like its node
 
@@ -26,13 +26,6 @@ NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each kubelet renews the Lease 
 # (connect, read) seconds for every API call: a call that hangs (a half-open connection, an
 # overloaded API server) fails and is retried instead of freezing its job's reconcile for good.
 API_TIMEOUT = (5.0, 30.0)
-
-
-def _since(stamp: str | None) -> datetime | None:
-    try:
-        return parse_time(stamp)
-    except ValueError:
-        return None
 
 
 def _run(fn, *args, **kwargs):
@@ -201,7 +194,7 @@ class Kube:
                     conds = (node.get("status") or {}).get("conditions") or []
                     cond = next((x for x in conds if x.get("type") == "Ready"), None)
                     ready = None if cond is None else NodeReadiness(cond.get("status") == "True",
-                                                                     _since(cond.get("lastTransitionTime")))
+                                                                     observed_time(cond.get("lastTransitionTime")))
                 except ApiException as err:
                     if err.status == 403:
                         self._nodes_forbidden = True

@@ -120,6 +120,14 @@ def parse_time(s: str | None) -> datetime | None:
     return datetime.strptime(s, TIME_FORMAT).replace(tzinfo=timezone.utc)
 
 
+def observed_time(s: str | None) -> datetime | None:
+    """A time another component wrote (a pod's or a node's): None when absent or malformed."""
+    try:
+        return parse_time(s)
+    except ValueError:
+        return None
+
+
 def parse(raw: dict[str, Any] | None) -> SFTJobStatus:
     """The stored status (`body.status`, None for a new job) as a model.
 

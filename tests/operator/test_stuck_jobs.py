@@ -344,3 +344,27 @@ def test_a_node_back_from_the_dead_does_not_restart_the_gang_placed_on_it():
     again = {**lost, "node-1": NodeReadiness(False, since=at(70))}
     plan = reconcile.plan(apply(body, plan), new, at(75), node_ready=again)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"]["preemptions"] == 2
+
+
+def test_node_readings_carry_when_the_node_went_not_ready():
+    """The rule above needs the Node's Ready lastTransitionTime: without it every NotReady
+    reading is held against every pod, as before the fix."""
+    import asyncio
+
+    import kubernetes
+
+    from sftjob_operator import kube
+
+    client = kube.Kube(kubernetes.client.ApiClient(kubernetes.client.Configuration()))
+    nodes = {"node-1": {"status": {"conditions": [
+        {"type": "MemoryPressure", "status": "False", "lastTransitionTime": "2026-01-01T11:00:00Z"},
+        {"type": "Ready", "status": "Unknown", "lastTransitionTime": "2026-01-01T12:00:25Z"}]}},
+             "node-0": {"status": {"conditions": [
+                 {"type": "Ready", "status": "True", "lastTransitionTime": "not a time"}]}}}
+
+    async def read(fn, name):
+        return nodes[name]
+
+    client._call = read
+    got = asyncio.run(client.node_ready({"node-0", "node-1"}))
+    assert got == {"node-1": NodeReadiness(False, since=at(25)), "node-0": NodeReadiness(True, since=None)}
