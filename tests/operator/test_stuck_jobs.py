@@ -7,6 +7,7 @@ from .op_testkit import apply, at, cond, job_body, pods_for, running_job, termin
 
 from sftjob_operator import builders, reconcile, rejections
 from sftjob_operator.failure_policy import NodeReadiness
+from sftjob_operator.status import iso
 
 pytestmark = pytest.mark.unit
 
@@ -316,7 +317,7 @@ def test_a_dead_machines_survivor_failing_first_is_counted_as_the_preemption():
 def _bound(pod, seconds):
     """The pod as the API server shows it once the scheduler bound it at at(seconds)."""
     pod = dict(pod, status={**pod["status"], "conditions": [
-        {"type": "PodScheduled", "status": "True", "lastTransitionTime": f"2026-01-01T12:{seconds // 60:02d}:{seconds % 60:02d}Z"}]})
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": iso(at(seconds))}]})
     return pod
 
 
@@ -331,7 +332,7 @@ def test_a_node_back_from_the_dead_does_not_restart_the_gang_placed_on_it():
     lost = {"node-1": NodeReadiness(False, since=at(25)), "node-0": NodeReadiness(True, since=at(0))}
     plan = reconcile.plan(body, pods, at(30), node_ready=lost)
     assert plan.status["phase"] == "Restarting" and plan.status["restarts"]["preemptions"] == 1
-    assert "NodeNotReady" in plan.status["message"] or plan.restart_cause == "preemption"
+    assert plan.restart_cause == "preemption" and "NodeNotReady" in plan.status["message"]
     body = apply(body, plan)
     body = apply(body, reconcile.plan(body, [], at(41)))
     # the new gang: rank 0 on the restored node-1, bound at 12:00:50
