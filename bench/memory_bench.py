@@ -1,21 +1,32 @@
 #!/usr/bin/env python
-"""Peak RSS per rank of a full fine-tune on 2 CPU ranks, with and without activation checkpointing.
+"""Peak memory of a full fine-tune on 2 CPU ranks, with and without activation checkpointing,
+and (--trl) of the same run under TRL's SFTTrainer.
 
 A benchmark, not a test. Builds (once, under --work) a random Llama-shaped model, by default
 ~1.0B parameters (hidden 2048, 22 layers, 32 heads / 4 KV heads, MLP 5632, the bench's 8192-word
 vocabulary, untied), next to the bench tokenizer and data (make_data.py), then runs
 `python -m sftjob_trainer.launch --nproc-per-node=2` for a few steps, fp32, packed micro-batches
-of --micro sequences (≤512 tokens each), once with `model.gradient_checkpointing=false` and once
-with `true`, and prints the largest rank's peak RSS (the trainer's per-step `max_rss_mb`, the
-maximum over ranks of each process's ru_maxrss) and tokens/s.
+of --micro sequences (≤512 tokens each), with `model.gradient_checkpointing` off and on. For each
+run it reports the largest process's peak RSS (the kernel's VmHWM: what one rank, or one GPU's
+worth of host memory, needs) and the peak of the summed RSS of the launcher and every rank
+(sampled every 0.2 s: what the node needs). A run the kernel's OOM killer ends is reported as
+"out of memory at step N", not as an error.
+
+--trl runs TRL's SFTTrainer (bench/peer_trl.py, padding-free micro-batches of the same --micro
+sequences, two accumulated per step: the same sequences per optimizer step as our two ranks) in
+one process with two threads, on the same saved model and data, with TRL's gradient
+checkpointing off and on.
 
 What to expect for N parameters in fp32 on 2 ranks: each rank holds N/2 of parameters,
 gradients and AdamW's two moments (16·N/2 bytes: ~8 GB at 1B) plus one layer gathered whole;
-rank 0 also reads the full weights once (4·N bytes) before scattering them. Activations come
-on top and are what checkpointing removes. So the 1B run needs ~20 GB of free memory in all;
-`--layers 4` (≈0.2B) fits a small machine.
+rank 0 also reads the full weights once (4·N bytes) before scattering them, and gathers them
+again for the Hugging Face export at the end. Activations come on top, one micro-batch per rank,
+and are what checkpointing removes. One process (TRL) holds all 16·N bytes, but one micro-batch's
+activations at a time. So the 1B run needs ~22 GB of free memory in all; `--layers 4` (≈0.2B)
+fits a small machine.
 
-Usage: python -m bench.memory_bench [--layers 22] [--steps 3] [--micro 4] [--work .bench/memory]
+Usage: python -m bench.memory_bench [--layers 22] [--steps 3] [--micro 4] [--checkpointing off,on] [--trl]
+                                    [--work .bench/memory]
 """
 from __future__ import annotations
 
@@ -53,7 +64,72 @@ def prepare(work: Path, layers: int) -> tuple[Path, Path]:
     return data, model
 
 
-def run(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: int) -> dict:
+class TreeRss:
+    """Samples, every `interval` s, the summed RSS of a process and all its descendants (the
+    launcher and every rank): what the node must hold at once. Per-process peaks come from the
+    kernel (VmHWM); the sum is sampled, so a spike shorter than `interval` can be missed."""
+
+    def __init__(self, pid: int, interval: float = 0.2):
+        import threading
+
+        self.pid, self.interval, self.peak_sum_mib, self.peak_proc_mib = pid, interval, 0.0, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.NoSuchProcess:
+            return
+        while not self._stop.is_set():
+            total = 0.0
+            try:
+                procs = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for proc in procs:
+                try:
+                    rss = proc.memory_info().rss / 2**20
+                    hwm = _vm_hwm_mib(proc.pid)
+                except (psutil.NoSuchProcess, OSError):
+                    continue
+                total += rss
+                self.peak_proc_mib[proc.pid] = max(self.peak_proc_mib.get(proc.pid, 0.0), hwm or rss)
+            self.peak_sum_mib = max(self.peak_sum_mib, total)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _vm_hwm_mib(pid: int) -> float | None:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def measure(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, TreeRss, float]:
+    """Run `cmd`, sampling its process tree's memory; a run killed for memory is a result, not an error."""
+    t0 = time.time()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT) as proc:
+        rss = TreeRss(proc.pid)
+        out, _ = proc.communicate()
+        rss.stop()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, ""), rss, time.time() - t0
+
+
+def killed_for_memory(proc: subprocess.CompletedProcess) -> bool:
+    """torchrun reports a rank SIGKILLed (the kernel's OOM killer) as exitcode -9; a lone process as -9 itself."""
+    return proc.returncode == -9 or "exitcode: -9" in proc.stdout or "exitcode  : -9" in proc.stdout
+
+
+def run_ours(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     over = {"model.path": model, "data.train_files": data / "train.parquet", "data.max_length": 512,
             "data.train_batch_size": 2 * micro, "data.micro_batch_size_per_gpu": micro, "data.packing": "true",
@@ -63,17 +139,43 @@ def run(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: int) 
     cmd = [sys.executable, "-m", "sftjob_trainer.launch", "--standalone", "--nproc-per-node=2", "--",
            *[f"{k}={v}" for k, v in over.items()]]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
-    t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if proc.returncode:
-        raise SystemExit(f"run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    proc, rss, wall = measure(cmd, env)
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
     steps_ = [r for r in rows if "loss" in r]
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     shutil.rmtree(out / "hf", ignore_errors=True)
-    return {"checkpointing": ckpt, "peak_rss_mib_largest_rank": max(r["max_rss_mb"] for r in steps_),
-            "rss_after_step1_mib": steps_[0]["max_rss_mb"], "tokens_per_s_last": steps_[-1]["tokens_per_s"],
-            "final_loss": steps_[-1]["loss"], "wall_s": round(time.time() - t0)}
+    result = {"contender": "ours, 2 ranks (FSDP2)", "checkpointing": ckpt, "micro": micro,
+              "peak_sum_mib": rss.peak_sum_mib, "largest_process_mib": max(rss.peak_proc_mib.values(), default=0.0),
+              "steps_done": len(steps_), "wall_s": round(wall)}
+    if proc.returncode:
+        if not killed_for_memory(proc):
+            raise SystemExit(f"run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+        return {**result, "outcome": f"out of memory at step {len(steps_) + 1}"}
+    return {**result, "outcome": "ok", "tokens_per_s_last": steps_[-1]["tokens_per_s"],
+            "final_loss": steps_[-1]["loss"]}
+
+
+def run_trl(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: int) -> dict:
+    """The same model, data and optimizer step under TRL's SFTTrainer in one process (no FSDP): micro-batches of
+    `micro` sequences made padding-free, 2 accumulated per step (ours: 2 ranks × 1), two threads (ours: 2 × 1)."""
+    cmd = [sys.executable, "-m", "bench.peer_trl", "--mode", "padfree", "--model-dir", str(model),
+           "--data-dir", str(data), "--steps", str(steps), "--warmup-steps", "1", "--global-batch", str(2 * micro),
+           "--micro-batch", str(micro), "--lr", "1e-5", "--output-dir", str(out), "--threads", "2",
+           *(["--grad-ckpt"] if ckpt else [])]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc, rss, wall = measure(cmd, env)
+    result = {"contender": "TRL SFTTrainer, 1 process", "checkpointing": ckpt, "micro": micro,
+              "peak_sum_mib": rss.peak_sum_mib, "largest_process_mib": max(rss.peak_proc_mib.values(), default=0.0),
+              "wall_s": round(wall)}
+    if proc.returncode:
+        if not killed_for_memory(proc):
+            raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+        return {**result, "outcome": "out of memory"}
+    last = proc.stdout.strip().splitlines()[-1]  # tokens_per_s=<float> loss=<float>
+    fields = dict(kv.split("=") for kv in last.split())
+    return {**result, "outcome": "ok", "tokens_per_s_last": float(fields["tokens_per_s"]),
+            "final_loss": float(fields["loss"])}
 
 
 def main() -> int:
@@ -81,19 +183,30 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=22, help="22: ~1.0B parameters; 4: ~0.2B")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=4, help="sequences per packed micro-batch per rank")
+    ap.add_argument("--checkpointing", default="off,on", help="activation checkpointing settings to run, in order")
+    ap.add_argument("--trl", action="store_true", help="also run TRL's SFTTrainer on the same run (one process)")
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "memory")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     data, model = prepare(args.work, args.layers)
     n = json.loads((model / "config.json").read_text())
-    results = [run(model, data, args.work / f"run-ckpt{int(c)}", c, args.steps, args.micro) for c in (False, True)]
-    print(f"model: {n['num_hidden_layers']} layers, hidden {n['hidden_size']}; 2 CPU ranks, fp32, full fine-tune, "
-          f"packed micro-batches of {args.micro} sequences")
-    print("| activation checkpointing | peak RSS MiB (largest rank) | tokens/s (last step) | final loss |")
-    print("|---|---|---|---|")
+    results = []
+    for setting in args.checkpointing.split(","):
+        ckpt = {"off": False, "on": True}[setting.strip()]
+        results.append(run_ours(model, data, args.work / f"run-ckpt{int(ckpt)}", ckpt, args.steps, args.micro))
+        if args.trl:
+            results.append(run_trl(model, data, args.work / f"trl-ckpt{int(ckpt)}", ckpt, args.steps, args.micro))
+        print(json.dumps(results[-1]), flush=True)
+    print(f"model: {n['num_hidden_layers']} layers, hidden {n['hidden_size']}; fp32, full fine-tune, AdamW, "
+          f"{args.steps} steps of {2 * args.micro} sequences (micro-batches of {args.micro})")
+    print("| contender | activation checkpointing | outcome | peak RSS, all processes (sampled) MiB "
+          "| largest process MiB | tokens/s (last step) | final loss |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {'on' if r['checkpointing'] else 'off'} | {r['peak_rss_mib_largest_rank']:.0f} "
-              f"| {r['tokens_per_s_last']:.0f} | {r['final_loss']:.4f} |")
+        tps = f"{r['tokens_per_s_last']:.0f}" if "tokens_per_s_last" in r else "-"
+        loss = f"{r['final_loss']:.4f}" if "final_loss" in r else "-"
+        print(f"| {r['contender']} | {'on' if r['checkpointing'] else 'off'} | {r['outcome']} | {r['peak_sum_mib']:.0f} "
+              f"| {r['largest_process_mib']:.0f} | {tps} | {loss} |")
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -221,3 +221,40 @@ def test_a_new_save_waits_for_the_previous_commit(tmp_path):
     store.release.set()
     second.join(timeout=30)
     assert ck.wait() == 2 and committed == [1, 2]
+
+
+def test_a_final_save_makes_no_host_copy_and_frees_the_earlier_ones(store, monkeypatch):
+    """Nothing trains after a final save (end of training, SIGTERM), so its shards are written from the live
+    tensors: a host copy would double the memory of the parameters and optimizer state at the very end (a
+    1B full fine-tune on 2 CPU ranks was OOM-killed there). The copies kept from periodic saves go too."""
+    stagers = []
+
+    class Counting(ckpt.DefaultStager):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.staged, self.closed = 0, False
+            stagers.append(self)
+
+        def stage(self, state_dict, **kw):
+            self.staged += 1
+            return super().stage(state_dict, **kw)
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    monkeypatch.setattr(ckpt, "DefaultStager", Counting)
+    ck = checkpointer(store, strategy=Background())
+    model, opt = make(0)
+    ck.save(model, opt, state(1))
+    assert [s.staged for s in stagers] == [1]  # a periodic save copies: training goes on
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ck.save(model, opt, state(2), final=True)
+    assert sum(s.staged for s in stagers) == 1, "the final save copied its shards to host memory"
+    assert stagers[0].closed, "the host copies of the periodic save were kept after the final save"
+    other, other_opt = make(1)
+    assert ck.resumable() == 2
+    ck.load(2, other, other_opt)
+    assert torch.equal(other.weight, model.weight)
+    ck.close()

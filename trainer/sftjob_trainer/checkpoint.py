@@ -24,7 +24,7 @@ import re
 import shutil
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -114,18 +114,26 @@ def _plain_errors(written: Future, d: Path) -> Future:
     return out
 
 
-def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stager: DefaultStager,
+def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stager: DefaultStager | None,
                 group=None) -> Future:
     """Collective: copy this rank's shards to host memory (the only blocking part) and
     write them into ``d`` in a background thread; the future ends when every rank's
     shards are on disk. ``group`` must be a CPU (gloo) group that training does not use,
-    since its collectives run beside the training step's. Rank 0 also writes the state."""
+    since its collectives run beside the training step's. Rank 0 also writes the state.
+
+    ``stager=None``: no copy; the thread writes the live tensors, so the caller must not
+    change them until the future ends (a final save: nothing trains after it)."""
     try:
         if rank == 0:
             atomic_write(d / TRAINER_STATE, json.dumps(asdict(state), indent=1))
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
-        written = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d), process_group=group,
-                                 async_stager=stager)
+        shards = {"model": model_sd, "optim": optim_sd}
+        if stager is None:
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-write")
+            written = pool.submit(dcp.save, shards, checkpoint_id=str(d), process_group=group)
+            pool.shutdown(wait=False)
+        else:
+            written = dcp.async_save(shards, checkpoint_id=str(d), process_group=group, async_stager=stager)
     except (OSError, CheckpointException) as e:  # dcp's planning collectives raise the latter
         raise io_error("writing checkpoint", d, e) from None
     return _plain_errors(written, d)

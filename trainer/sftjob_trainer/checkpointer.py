@@ -1,7 +1,11 @@
 """The Checkpointer: save, commit, resume and prune, for any ``storage.Store``.
 
 A save blocks training only while each rank copies its shards to host memory (buffers
-kept from one save to the next: host memory for one more copy of the shards). The rest
+kept from one save to the next: host memory for one more copy of the shards). A final save
+(end of training, the stop checkpoint after SIGTERM) copies nothing: no step follows it, so
+its shards are written from the live tensors, and the buffers of earlier saves are freed
+first (the end of a run, which also gathers the export, is not the moment to hold a second
+copy of the parameters and optimizer state). The rest
 runs behind it: DCP writes the copies to local disk (its own gloo process group, so its
 collectives never meet the training step's), then each rank publishes its files (in
 place for a local directory, an upload for s3://) and reports them, and rank 0 commits
@@ -123,10 +127,14 @@ class Checkpointer:
             left = None if until is None else max(0.0, until - time.monotonic())
             if not futures.wait([self._written], timeout=left).done:
                 raise UploadError("the previous checkpoint's shards were still being written at the stop deadline")
+        if final:  # nothing trains after it: write the live tensors, and free the copies of earlier saves
+            self._stager.close()
+            self._stager = ckpt.host_stager()
         rel = checkpoint_dir(state.step)
         staged = fresh_dir(self.store.local_path(rel, self.rank))  # clears a stale partial one
         dist_utils.barrier()
-        self._written = ckpt.start_write(staged, model, optimizer, state, self.rank, self._stager, self.group)
+        self._written = ckpt.start_write(staged, model, optimizer, state, self.rank, None if final else self._stager,
+                                         self.group)
         blocked = time.perf_counter() - t0
         written, step = self._written, state.step
         self._pending = self.strategy.submit(lambda: self._publish_and_commit(written, staged, step, until))
