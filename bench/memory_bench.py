@@ -9,8 +9,9 @@ vocabulary, untied), next to the bench tokenizer and data (make_data.py), then r
 of --micro sequences (≤512 tokens each), with `model.gradient_checkpointing` off and on. For each
 run it reports the largest process's peak RSS (the kernel's VmHWM: what one rank, or one GPU's
 worth of host memory, needs) and the peak of the summed RSS of the launcher and every rank
-(sampled every 0.2 s: what the node needs). A run the kernel's OOM killer ends is reported as
-"out of memory at step N", not as an error.
+(sampled every 0.2 s: what the node needs). A run ended by SIGKILL is a result, not an error:
+"out of memory in step N" when the kernel log (dmesg) says its OOM killer ended one of the run's
+processes, "killed by SIGKILL in step N" when it does not or cannot be read.
 
 --trl runs TRL's SFTTrainer (bench/peer_trl.py, padding-free micro-batches of the same --micro
 sequences, two accumulated per step: the same sequences per optimizer step as our two ranks) in
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -114,19 +116,37 @@ def _vm_hwm_mib(pid: int) -> float | None:
     return None
 
 
-def measure(cmd: list[str], env: dict) -> tuple[subprocess.CompletedProcess, TreeRss, float]:
-    """Run `cmd`, sampling its process tree's memory; a run killed for memory is a result, not an error."""
-    t0 = time.time()
+def measure(cmd: list[str], env: dict, what: str) -> tuple[dict, str, bool]:
+    """Run `cmd`, sampling its process tree's memory: (memory and wall time, its output, whether it was killed by
+    SIGKILL). A SIGKILLed run is a result, not an error: torchrun reports such a rank as exitcode -9, a lone process
+    exits with -9. Any other failure ends the benchmark."""
+    t0, started = time.time(), time.monotonic()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT) as proc:
         rss = TreeRss(proc.pid)
         out, _ = proc.communicate()
         rss.stop()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, ""), rss, time.time() - t0
+    killed = proc.returncode == -9 or "exitcode: -9" in out or "exitcode  : -9" in out
+    if proc.returncode and not killed:
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-3000:]}")
+    fields = {"peak_sum_mib": rss.peak_sum_mib, "largest_process_mib": max(rss.peak_proc_mib.values(), default=0.0),
+              "wall_s": round(time.time() - t0)}
+    if killed:
+        fields["outcome"] = "out of memory" if oom_killed(set(rss.peak_proc_mib), started) else "killed by SIGKILL"
+    return fields, out, killed
 
 
-def killed_for_memory(proc: subprocess.CompletedProcess) -> bool:
-    """torchrun reports a rank SIGKILLed (the kernel's OOM killer) as exitcode -9; a lone process as -9 itself."""
-    return proc.returncode == -9 or "exitcode: -9" in proc.stdout or "exitcode  : -9" in proc.stdout
+OOM_KILL = re.compile(r"^\[\s*([\d.]+)\].*Killed process (\d+) ", re.M)
+
+
+def oom_killed(pids: set[int], since: float) -> bool:
+    """Whether the kernel log says its OOM killer ended one of `pids` at or after `since` (a time.monotonic(),
+    the clock of dmesg's stamps, so an old kill of a reused pid does not count). False where the log cannot be
+    read."""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(int(pid) in pids and float(stamp) >= since - 1 for stamp, pid in OOM_KILL.findall(log))
 
 
 def run_ours(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: int) -> dict:
@@ -139,23 +159,19 @@ def run_ours(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: 
     cmd = [sys.executable, "-m", "sftjob_trainer.launch", "--standalone", "--nproc-per-node=2", "--",
            *[f"{k}={v}" for k, v in over.items()]]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
-    proc, rss, wall = measure(cmd, env)
+    fields, _, killed = measure(cmd, env, "our run")
     metrics = out / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    steps_ = [r for r in rows if "loss" in r]
+    done = [r for r in rows if "loss" in r]
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     shutil.rmtree(out / "hf", ignore_errors=True)
-    result = {"contender": "ours, 2 ranks (FSDP2)", "checkpointing": ckpt, "micro": micro,
-              "peak_sum_mib": rss.peak_sum_mib, "largest_process_mib": max(rss.peak_proc_mib.values(), default=0.0),
-              "steps_done": len(steps_), "wall_s": round(wall),
+    result = {"contender": "ours, 2 ranks (FSDP2)", "checkpointing": ckpt, "micro": micro, **fields,
               # the trainer's own: the largest rank's high-water mark by the last step (before the final save and export)
-              "training_peak_mib": max((r["max_rss_mb"] for r in steps_), default=None)}
-    if proc.returncode:
-        if not killed_for_memory(proc):
-            raise SystemExit(f"run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-        return {**result, "outcome": f"out of memory at step {len(steps_) + 1}"}
-    return {**result, "outcome": "ok", "tokens_per_s_last": steps_[-1]["tokens_per_s"],
-            "final_loss": steps_[-1]["loss"]}
+              "training_peak_mib": max((r["max_rss_mb"] for r in done), default=None)}
+    if killed:
+        when = f"in step {len(done) + 1}" if len(done) < steps else "after the last step (final save or export)"
+        return {**result, "outcome": f"{result['outcome']} {when}"}
+    return {**result, "outcome": "ok", "tokens_per_s": done[-1]["tokens_per_s"], "final_loss": done[-1]["loss"]}
 
 
 def run_trl(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: int) -> dict:
@@ -165,19 +181,21 @@ def run_trl(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: i
            "--data-dir", str(data), "--steps", str(steps), "--warmup-steps", "1", "--global-batch", str(2 * micro),
            "--micro-batch", str(micro), "--lr", "1e-5", "--output-dir", str(out), "--threads", "2",
            *(["--grad-ckpt"] if ckpt else [])]
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    proc, rss, wall = measure(cmd, env)
-    result = {"contender": "TRL SFTTrainer, 1 process", "checkpointing": ckpt, "micro": micro,
-              "peak_sum_mib": rss.peak_sum_mib, "largest_process_mib": max(rss.peak_proc_mib.values(), default=0.0),
-              "wall_s": round(wall)}
-    if proc.returncode:
-        if not killed_for_memory(proc):
-            raise SystemExit(f"TRL run failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-        return {**result, "outcome": "out of memory"}
-    last = proc.stdout.strip().splitlines()[-1]  # tokens_per_s=<float> loss=<float>
-    fields = dict(kv.split("=") for kv in last.split())
-    return {**result, "outcome": "ok", "tokens_per_s_last": float(fields["tokens_per_s"]),
-            "final_loss": float(fields["loss"])}
+    fields, output, killed = measure(cmd, dict(os.environ, HF_HUB_OFFLINE="1"), "TRL's run")
+    result = {"contender": "TRL SFTTrainer, 1 process", "checkpointing": ckpt, "micro": micro, **fields}
+    if killed:
+        return result
+    last = output.strip().splitlines()[-1]  # tokens_per_s=<float> loss=<float>
+    got = dict(kv.split("=") for kv in last.split())
+    return {**result, "outcome": "ok", "tokens_per_s": float(got["tokens_per_s"]), "final_loss": float(got["loss"])}
+
+
+def on_off(text: str) -> list[bool]:
+    """`--checkpointing off,on` → [False, True]."""
+    words = [w.strip() for w in text.split(",")]
+    if not words or any(w not in ("off", "on") for w in words):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of off and on, got {text!r}")
+    return [w == "on" for w in words]
 
 
 def main() -> int:
@@ -185,7 +203,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=22, help="22: ~1.0B parameters; 4: ~0.2B")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=4, help="sequences per packed micro-batch per rank")
-    ap.add_argument("--checkpointing", default="off,on", help="activation checkpointing settings to run, in order")
+    ap.add_argument("--checkpointing", type=on_off, default="off,on",
+                    help="activation checkpointing settings to run, in order")
     ap.add_argument("--trl", action="store_true", help="also run TRL's SFTTrainer on the same run (one process)")
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "memory")
     args = ap.parse_args()
@@ -193,19 +212,19 @@ def main() -> int:
     data, model = prepare(args.work, args.layers)
     n = json.loads((model / "config.json").read_text())
     results = []
-    for setting in args.checkpointing.split(","):
-        ckpt = {"off": False, "on": True}[setting.strip()]
-        results.append(run_ours(model, data, args.work / f"run-ckpt{int(ckpt)}", ckpt, args.steps, args.micro))
-        if args.trl:
-            results.append(run_trl(model, data, args.work / f"trl-ckpt{int(ckpt)}", ckpt, args.steps, args.micro))
-        print(json.dumps(results[-1]), flush=True)
+    for ckpt in args.checkpointing:
+        runs = [(run_ours, "run")] + ([(run_trl, "trl")] if args.trl else [])
+        for run, name in runs:
+            results.append(run(model, data, args.work / f"{name}-ckpt{int(ckpt)}", ckpt, args.steps, args.micro))
+            print(json.dumps(results[-1]), flush=True)
     print(f"model: {n['num_hidden_layers']} layers, hidden {n['hidden_size']}; fp32, full fine-tune, AdamW, "
           f"{args.steps} steps of {2 * args.micro} sequences (micro-batches of {args.micro})")
     print("| contender | activation checkpointing | outcome | peak RSS, all processes (sampled) MiB "
-          "| largest process MiB | largest rank by the last step MiB | tokens/s (last step) | final loss |")
+          "| largest process MiB | largest rank by the last step MiB | tokens/s (ours: last step; TRL: after step 1) "
+          "| final loss |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
-        tps = f"{r['tokens_per_s_last']:.0f}" if "tokens_per_s_last" in r else "-"
+        tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "-"
         loss = f"{r['final_loss']:.4f}" if "final_loss" in r else "-"
         train = f"{r['training_peak_mib']:.0f}" if r.get("training_peak_mib") else "-"
         print(f"| {r['contender']} | {'on' if r['checkpointing'] else 'off'} | {r['outcome']} | {r['peak_sum_mib']:.0f} "

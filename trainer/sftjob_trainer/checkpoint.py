@@ -116,10 +116,11 @@ def _plain_errors(written: Future, d: Path) -> Future:
 
 def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stager: DefaultStager | None,
                 group=None) -> Future:
-    """Collective: copy this rank's shards to host memory (the only blocking part) and
-    write them into ``d`` in a background thread; the future ends when every rank's
-    shards are on disk. ``group`` must be a CPU (gloo) group that training does not use,
-    since its collectives run beside the training step's. Rank 0 also writes the state.
+    """Collective: copy this rank's shards to host memory (the only blocking part; skipped
+    with ``stager=None``, below) and write them into ``d`` in a background thread; the
+    future ends when every rank's shards are on disk. ``group`` must be a CPU (gloo) group
+    that training does not use, since its collectives run beside the training step's.
+    Rank 0 also writes the state.
 
     ``stager=None``: no copy; the thread writes the live tensors, so the caller must not
     change them until the future ends (a final save: nothing trains after it)."""
