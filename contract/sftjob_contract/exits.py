@@ -19,9 +19,22 @@ REASON_INVALID_DATA = "InvalidData"
 REASON_TRAINING_ERROR = "TrainingError"
 REASON_PREEMPTED = "Preempted"
 REASON_SUCCEEDED = "Succeeded"
+# Object storage refused for a reason a retry cannot fix (access denied, no such bucket):
+# the message names the spec field whose URI or credentials are wrong.
+REASON_STORAGE_DENIED = "StorageDenied"
+# Object storage kept failing for a reason that may pass (connection refused, timeouts,
+# 5xx, throttling) after every retry: a gang restart may help.
+REASON_STORAGE_UNAVAILABLE = "StorageUnavailable"
+# Too many checkpoint commits in a row failed for transient reasons: continuing would
+# train on with nothing to resume from.
+REASON_CHECKPOINT_FAILED = "CheckpointFailed"
+# Too many optimizer steps in a row (or every step) had a non-finite loss or gradient.
+REASON_NON_FINITE_LOSS = "NonFiniteLoss"
 # Failures the trainer names; the permanent ones exit PERMANENT.
-PERMANENT_REASONS = frozenset({REASON_INVALID_CONFIG, REASON_INVALID_DATA})
-FAILURE_REASONS = PERMANENT_REASONS | {REASON_TRAINING_ERROR}
+PERMANENT_REASONS = frozenset({REASON_INVALID_CONFIG, REASON_INVALID_DATA, REASON_STORAGE_DENIED,
+                               REASON_NON_FINITE_LOSS})
+FAILURE_REASONS = PERMANENT_REASONS | {REASON_TRAINING_ERROR, REASON_STORAGE_UNAVAILABLE,
+                                       REASON_CHECKPOINT_FAILED}
 
 # Kubernetes' default terminationMessagePath; env.TERMINATION_LOG overrides it.
 TERMINATION_LOG = "/dev/termination-log"

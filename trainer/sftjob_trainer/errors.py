@@ -24,3 +24,27 @@ class InvalidConfig(TrainerError):
 class InvalidData(TrainerError):
     reason = exits.REASON_INVALID_DATA
     exit_code = exits.PERMANENT
+
+
+class StorageDenied(TrainerError):
+    """Object storage refused in a way a retry cannot fix; the message names the field."""
+    reason = exits.REASON_STORAGE_DENIED
+    exit_code = exits.PERMANENT
+
+
+class StorageUnavailable(TrainerError):
+    """Object storage still failing, for a transient reason, after every retry."""
+    reason = exits.REASON_STORAGE_UNAVAILABLE
+    exit_code = exits.FAILED
+
+
+class CheckpointFailed(TrainerError):
+    """Too many checkpoint commits in a row failed (transient causes)."""
+    reason = exits.REASON_CHECKPOINT_FAILED
+    exit_code = exits.FAILED
+
+
+class NonFiniteLoss(TrainerError):
+    """Training produced only non-finite losses or gradients for too long."""
+    reason = exits.REASON_NON_FINITE_LOSS
+    exit_code = exits.PERMANENT
