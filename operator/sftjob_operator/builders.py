@@ -101,7 +101,10 @@ def model_uri(job: JobRef, spec: api.SFTJobSpec) -> str:
 
 
 def master_addr(job: JobRef) -> str:
-    return f"{pod_name(job, 0)}.{service_name(job)}.{job.namespace}.svc.cluster.local"
+    """Rank 0's name under the headless Service, without the cluster's DNS domain: the pod's
+    resolv.conf search list ends with that domain (cluster.local or any other), so the
+    name resolves on every cluster, where a hard-coded `.svc.cluster.local` did not."""
+    return f"{pod_name(job, 0)}.{service_name(job)}.{job.namespace}.svc"
 
 
 def stop_timeout_s(spec: api.SFTJobSpec) -> float:

@@ -97,6 +97,13 @@ class EnvVar(SpecModel):
 class ResourcesSpec(SpecModel):
     """Shape and placement of the gang: nodes, processes, devices, image and scheduling."""
 
+    # Each process of a GPU pod drives its own device (LOCAL_RANK): more processes than GPUs
+    # would ask for a device that does not exist, after the whole gang has been scheduled.
+    model_config = ConfigDict(json_schema_extra=rules(
+        cel("self.gpusPerNode == 0 || self.processesPerNode <= self.gpusPerNode",
+            "resources.processesPerNode must not exceed resources.gpusPerNode on a GPU job (one device per process)",
+            field_path=".processesPerNode")))
+
     nodes: int = Field(default=1, ge=1, le=1024, description="Training pods (one per node rank). Immutable.")
     processes_per_node: int = Field(
         default=1, ge=1, le=64,

@@ -16,7 +16,9 @@ from pydantic.alias_generators import to_camel
 S3_URI = r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$"
 URI_RULE = f"self.startsWith('s3://') ? self.matches('{S3_URI}') : self.startsWith('/')"
 URI_MESSAGE = "must be s3://BUCKET[/prefix] with a valid bucket name, or an absolute path"
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# RFC 1123 subdomain, label by label as the API server validates object names: `a..b` and
+# `a.-b` are refused here rather than at every pod create.
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # Label keys (also taint and toleration keys) and label values, as core/v1 validates them.
 QUALIFIED_NAME = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                   r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")

@@ -93,6 +93,9 @@ for _ in range(240):  # the peer pod may not be running yet: its name resolves o
     try:
         short = socket.gethostbyname(f"{peer}.ar")
         fqdn = socket.gethostbyname(f"{peer}.ar.{ns}.svc.cluster.local")
+        # The form the operator gives MASTER_ADDR: no cluster domain, found through the
+        # resolv.conf search list, so it works whatever the cluster's DNS domain is.
+        no_domain = socket.gethostbyname(f"{peer}.ar.{ns}.svc")
         break
     except OSError:
         time.sleep(0.5)
@@ -102,7 +105,7 @@ t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 dist.destroy_process_group()
 me = socket.gethostbyname(socket.gethostname())
-result = {"sum": t.item(), "peer_short": short, "peer_fqdn": fqdn, "hostname": socket.gethostname(), "me": me}
+result = {"sum": t.item(), "peer_short": short, "peer_fqdn": fqdn, "peer_no_domain": no_domain, "hostname": socket.gethostname(), "me": me}
 print(json.dumps(result))
 open("/dev/termination-log", "w").write(json.dumps(result))
 """
@@ -124,7 +127,7 @@ def test_two_pods_find_each_other_and_allreduce(cluster, namespace):
         assert p["status"]["phase"] == "Succeeded", cluster.pod_log(namespace, f"ar-{rank}")
         out = json.loads(terminated(p)["message"])
         assert out["sum"] == 3.0  # 1 + 2: both ranks took part
-        assert out["peer_short"] == out["peer_fqdn"] == ips[1 - rank]
+        assert out["peer_short"] == out["peer_fqdn"] == out["peer_no_domain"] == ips[1 - rank]
         assert out["hostname"] == f"ar-{rank}" and out["me"] == ips[rank]
         assert terminated(p)["reason"] == "Completed" and terminated(p)["exitCode"] == 0
     # the names resolve only while the pods run: both have finished now (CoreDNS caches an

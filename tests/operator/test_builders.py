@@ -66,7 +66,7 @@ def test_labels_owner_and_env():
     owner = pod["metadata"]["ownerReferences"][0]
     assert owner["uid"] == job.uid and owner["controller"] is True
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
-    assert env["MASTER_ADDR"] == "tiny-node-0.tiny.team-a.svc.cluster.local"
+    assert env["MASTER_ADDR"] == "tiny-node-0.tiny.team-a.svc"
     assert (env["WORLD_SIZE"], env["RANK"], env["NODE_RANK"], env["MASTER_PORT"]) == ("2", "1", "1", "29500")
     assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "s3-credentials", "key": "AWS_ACCESS_KEY_ID"}}
     assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
@@ -85,7 +85,7 @@ def test_torchrun_arguments():
     job, spec = _job_and_spec(**{"resources.processesPerNode": 4, "data.trainBatchSize": 8})
     cmd = builders.trainer_command(job, spec, rank=1)
     assert cmd == ["python", "-m", "sftjob_trainer.launch", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
-                   "--master-addr=tiny-node-0.tiny.team-a.svc.cluster.local", "--master-port=29500",
+                   "--master-addr=tiny-node-0.tiny.team-a.svc", "--master-port=29500",
                    "--", "--config", "/etc/sftjob/config.yaml"]
     single, sspec = _job_and_spec(**{"resources.nodes": 1})
     assert builders.trainer_command(single, sspec, 0)[0] == "python"

@@ -94,6 +94,14 @@ INVALID = [
     ("watchdog too short", {"runPolicy.progressDeadlineSeconds": 5}, "spec.runPolicy.progressDeadlineSeconds"),
     ("flash-attention in fp32", {"model.attnImplementation": "flash_attention_2"}, "spec.model.attnImplementation"),
     ("negative checkpoint seconds", {"checkpoint.intervalSeconds": -1}, "spec.checkpoint.intervalSeconds"),
+    # Passed the old one-regex subdomain pattern; every pod create was then refused.
+    ("Secret name with an empty label", {"storage.credentialsSecretRef": {"name": "sftjob..s3"}},
+     "spec.storage.credentialsSecretRef.name"),
+    ("Secret name with a label starting with '-'", {"storage.credentialsSecretRef": {"name": "sftjob.-s3"}},
+     "spec.storage.credentialsSecretRef.name"),
+    # Rank 1 would ask for a second device on a one-GPU pod.
+    ("more processes than GPUs", {"resources.gpusPerNode": 1, "resources.processesPerNode": 2,
+                                  "data.microBatchSizePerGpu": 64}, "spec.resources.processesPerNode"),
 ]
 
 
