@@ -253,7 +253,8 @@ class RunPolicy(SpecModel):
         description="Hang watchdog: once a gang attempt has made its first step, restart the gang (counted as a "
         "failure, reason ProgressDeadlineExceeded) when status.progress.step has not advanced for this long, "
         "e.g. a rank stuck in a collective. Not applied after the last step (final validation and export). "
-        "Unset: no watchdog.",
+        "Time the operator was not watching (down, or a new leader taking over) does not count: the clock "
+        "runs from the later of the last step and the operator's start. Unset: no watchdog.",
     )
     ttl_seconds_after_finished: int | None = Field(
         default=None, ge=0, description="Delete the SFTJob (and its pods) this long after it succeeded or failed."

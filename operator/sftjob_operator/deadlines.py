@@ -15,7 +15,11 @@ otherwise asks to be looked at again exactly then, as for the TTL (ttl.py).
 - Progress deadline (runPolicy.progressDeadlineSeconds, the hang watchdog): from the last
   time status.progress.step advanced. Armed only once the step advanced during the current
   attempt (a long model load or data scan is not a hang) and disarmed after the last step
-  (final validation and export may legitimately take long).
+  (final validation and export may legitimately take long). It counts only what this
+  operator process could see: after an operator start or a leader change the clock runs
+  from the later of the last step and the moment this process began observing, so an
+  operator outage longer than the deadline restarts no healthy gang (the step time stored
+  before the outage says nothing about the minutes nobody was watching).
 """
 from __future__ import annotations
 
@@ -47,11 +51,14 @@ def startup_left(since: datetime, limit: int, now: datetime) -> float:
 
 
 def progress_left(limit: int | None, last_step: datetime | None, launched: datetime | None,
-                  step: int | None, total: int | None, now: datetime) -> float | None:
+                  step: int | None, total: int | None, now: datetime,
+                  observing_since: datetime | None = None) -> float | None:
     """Seconds until the watchdog restarts a gang whose step stopped advancing; None while
-    it is not armed (no limit, no step yet in this attempt, or the last step is done)."""
+    it is not armed (no limit, no step yet in this attempt, or the last step is done).
+    `observing_since`: when this operator process started watching (None: always)."""
     if not limit or last_step is None or launched is None or last_step < launched:
         return None
     if total and step and step >= total:
         return None
-    return _left(last_step, limit, now)
+    since = max(last_step, observing_since) if observing_since is not None else last_step
+    return _left(since, limit, now)

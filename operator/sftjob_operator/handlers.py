@@ -54,6 +54,9 @@ class Runtime:
     last_tick: float = field(default_factory=time.monotonic)
     task: asyncio.Task | None = None
     running: set = field(default_factory=set)
+    # When this process began watching (kopf starts it only after the leader lease is won):
+    # the progress watchdog counts no time before it (deadlines.progress_left).
+    observing_since: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     def enqueue(self, key: Key, after: float = 0.0, urgent: bool = False) -> None:
         """Reconcile `key` in `after` seconds. Urgent ones (a pod changed, progress moved)
@@ -259,7 +262,8 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         return None
     pods = await rt.kube.list_pods(namespace, name)
     node_ready, leases, scraped = await _observe(rt, key, body, pods)
-    plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped, node_leases=leases)
+    plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped, node_leases=leases,
+                          observing_since=rt.observing_since)
     rejection = await _apply(rt, key, body, plan)
     if rejection is not None:
         # The API server refused a pod: decide again with that knowledge (fail naming the
@@ -268,7 +272,8 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         if body is None:
             return plan
         pods = await rt.kube.list_pods(namespace, name)
-        plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection, leases)
+        plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection, leases,
+                              rt.observing_since)
         await _apply(rt, key, body, plan)
     return plan
 

@@ -15,11 +15,8 @@ Nothing waits without saying why: pods that cannot start put their reason (a mis
 Secret, Unschedulable, ...) in the job's conditions; pods the API server refuses to create
 fail the job naming the spec field (`rejections.py`); an old gang stuck terminating on a
 lost node is force-deleted (`stale.py`); a gang whose step stops advancing is restarted by
-the progress watchdog.
-
-This module sequences the stages; each policy is a pure module that states it and is
-table-tested: failure_policy, success, suspend, deadlines (active, startup, progress), ttl,
-stale, queueing (Kueue). The status is status.py's model, parsed once per pass.
+the progress watchdog. This module sequences the stages; each policy is a pure, table-tested
+module: failure_policy, success, suspend, deadlines, ttl, stale, queueing (Kueue).
 """
 from __future__ import annotations
 
@@ -51,7 +48,8 @@ class _Pass:
 
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], now: datetime,
                  node_ready: dict[str, fp.NodeReadiness] | None, metrics: dict[str, float] | None,
-                 rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None):
+                 rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
+                 observing_since: datetime | None = None):
         self.body = body
         self.meta = body["metadata"]
         self.job = builders.JobRef.from_body(body)
@@ -65,6 +63,7 @@ class _Pass:
         self.node_leases = node_leases or {}
         self.metrics = metrics
         self.rejection = rejection
+        self.observing_since = observing_since
         self.queued = False   # the current gang waits for Kueue's admission (judge)
         self.plan = Plan()
 
@@ -354,7 +353,7 @@ class _Pass:
         limit = self.spec.run_policy.progress_deadline_seconds
         progress = self.st.progress
         left = deadlines.progress_left(limit, parse_time(progress.last_step_time), parse_time(self.st.launch_time),
-                                       progress.step, progress.total_steps, self.now)
+                                       progress.step, progress.total_steps, self.now, self.observing_since)
         if left is None:
             return
         if left > 0:
@@ -388,11 +387,14 @@ class _Pass:
 
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,
          node_ready: dict[str, fp.NodeReadiness] | None = None, metrics: dict[str, float] | None = None,
-         rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None) -> Plan:
+         rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
+         observing_since: datetime | None = None) -> Plan:
     """Decide what to do for one SFTJob given its pods (see module docstring).
 
     `node_ready`: the Ready condition of the nodes of pending and running pods.
     `rejection`: the API server refused to create a pod of the current attempt.
     `node_leases`: the heartbeats of the nodes of running pods, read when a rank has failed
-    (failure_policy.settle_generic_failure)."""
-    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics, rejection, node_leases).run()
+    (failure_policy.settle_generic_failure). `observing_since`: when this operator process
+    began watching (deadlines.progress_left)."""
+    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics, rejection, node_leases,
+                 observing_since).run()

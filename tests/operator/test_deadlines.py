@@ -49,3 +49,12 @@ def test_startup_deadline(since, limit, now, left):
 ])
 def test_progress_deadline(limit, last_step, launched, step, total, now, left):
     assert deadlines.progress_left(limit, last_step, launched, step, total, now) == left
+
+
+@pytest.mark.parametrize("last_step, observing_since, now, left", [
+    (at(10), at(600), at(620), 40.0),    # operator back at 600 after an outage: 60 s from then
+    (at(10), at(600), at(661), -1.0),    # ... and a gang still stuck a full deadline later restarts
+    (at(10), at(5), at(40), 30.0),       # watching since before the last step: the step counts
+])
+def test_progress_deadline_counts_only_what_this_operator_saw(last_step, observing_since, now, left):
+    assert deadlines.progress_left(60, last_step, T0, 5, 40, now, observing_since) == left

@@ -95,6 +95,26 @@ def test_watchdog_restarts_a_gang_whose_step_stopped_as_a_failure():
     assert sorted(plan.delete_pods) == ["tiny-node-0", "tiny-node-1"]
 
 
+def test_an_operator_outage_longer_than_the_deadline_restarts_no_healthy_gang():
+    """The operator was down from 12:00:20 to 12:10:00 (deadline 120 s). Its first pass has
+    no reading yet: the step time stored before the outage must not condemn the gang."""
+    body, pods = running_job(**{"runPolicy.progressDeadlineSeconds": 120})
+    m = {"step": 3, "totalSteps": 20}
+    body = apply(body, reconcile.plan(body, pods, at(10), metrics=m))
+    back = at(600)
+    plan = reconcile.plan(body, pods, back, observing_since=back)
+    assert plan.status is None and not plan.delete_pods and 0 < plan.requeue_after <= 120
+    # The first reading shows the gang trained on while nobody watched: it stays Running.
+    body = apply(body, reconcile.plan(body, pods, at(605), metrics={"step": 60, "totalSteps": 200},
+                                      observing_since=back))
+    assert body["status"]["phase"] == "Running" and body["status"]["restarts"]["failures"] == 0
+    # A gang that really stopped during the outage is still caught, a full deadline later.
+    plan = reconcile.plan(body, pods, at(600 + 5 + 121), metrics={"step": 60, "totalSteps": 200},
+                          observing_since=back)
+    assert plan.status["phase"] == "Restarting" and cond(plan.status, "Restarting")["reason"] == \
+        "ProgressDeadlineExceeded"
+
+
 def test_watchdog_waits_for_the_first_step_and_spares_the_export():
     body, pods = running_job(**{"runPolicy.progressDeadlineSeconds": 120})
     # No step seen in this attempt yet (model load, data scan): no watchdog.
