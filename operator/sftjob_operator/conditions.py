@@ -50,6 +50,7 @@ REASON_QUOTA_EXCEEDED = "QuotaExceeded"
 REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 REASON_TERMINATING = "WaitingForPodsToTerminate"
 REASON_FORCE_DELETED = "ForceDeletedPod"
+REASON_INVALID_STATUS = "InvalidStatus"              # Event only: this version cannot read the status
 
 MAX_MESSAGE = 2000
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,9 +21,11 @@ from typing import Any
 import aiohttp
 import kopf
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 from sftjob_contract.metrics import METRICS_PATH
 
 from . import api, builders, metrics, progress, reconcile, rejections, status
+from . import conditions as c
 from .kube import Conflict, Kube
 from .plan import Plan
 from .settings import Settings
@@ -189,13 +192,20 @@ async def _scheduler(rt: Runtime) -> None:
         if now - last_resync >= RESYNC_S:
             last_resync = now
             try:
-                for job in await rt.kube.list_jobs(rt.namespaces):
-                    meta = job["metadata"]
-                    rt.phases.set((meta["namespace"], meta["name"]), status.parse(job.get("status")).phase)
-                    rt.enqueue((meta["namespace"], meta["name"]))
+                await resync(rt)
             except Exception as err:  # noqa: BLE001
                 log.warning("resync failed: %s", err)
         await asyncio.sleep(TICK_S)
+
+
+async def resync(rt: Runtime) -> None:
+    """Queue a pass for every job (what a missed event left behind)."""
+    for job in await rt.kube.list_jobs(rt.namespaces):
+        meta = job["metadata"]
+        rt.enqueue((meta["namespace"], meta["name"]))
+        # One job's unreadable status must not keep the jobs after it from their pass.
+        with contextlib.suppress(ValidationError):
+            rt.phases.set((meta["namespace"], meta["name"]), status.parse(job.get("status")).phase)
 
 
 def _phase(pod: dict[str, Any]) -> str | None:
@@ -238,6 +248,13 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str, from_handler: bo
             metrics.RECONCILES.labels(result="conflict").inc()
             rt.enqueue(key, 0.2)
             return
+        except ValidationError as err:
+            # A status this version cannot read (a value of the wrong type): say so on the
+            # job and look again at the resync pace; the other jobs go on (never raised).
+            metrics.RECONCILE_ERRORS.labels(kind="status").inc()
+            await _report_unreadable_status(rt, key, err)
+            rt.enqueue(key, RESYNC_S)
+            return
         except ApiException as err:
             if err.status == 404 and await rt.kube.get_job(namespace, name) is None:
                 # The job was deleted during the pass (its status write found nothing): done.
@@ -252,6 +269,19 @@ async def reconcile_job(rt: Runtime, namespace: str, name: str, from_handler: bo
         metrics.RECONCILES.labels(result="ok").inc()
     if plan is not None and plan.invalid and from_handler:
         raise kopf.PermanentError(plan.invalid)
+
+
+async def _report_unreadable_status(rt: Runtime, key: Key, err: ValidationError) -> None:
+    fields = "; ".join(f"status.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()[:5])
+    message = (f"this operator cannot read the job's status ({fields}); the job is not reconciled until "
+               "it is fixed (run the operator version that wrote it, or correct the status subresource)")
+    log.warning("%s/%s: %s", *key, message)
+    body = await rt.kube.get_job(*key)
+    if body is not None:
+        try:
+            await rt.kube.post_event(body, "Warning", c.REASON_INVALID_STATUS, message)
+        except ApiException as api_err:  # best effort, as for every event
+            log.info("event for %s/%s not posted: %s", *key, api_err.reason)
 
 
 async def _pass(rt: Runtime, key: Key) -> Plan | None:

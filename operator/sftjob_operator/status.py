@@ -5,17 +5,21 @@ must not lose when it restarts (attempt numbers, restart times): no state lives 
 operator's memory. A pass parses the stored status once (`parse`), changes the model, and
 writes it back as one JSON merge patch (`merge_patch`), camelCase as on the wire.
 
-Unknown fields are refused on both sides: the models forbid extra keys (a misspelled field
-is a ValidationError in the operator, never a key stored silently), and the CRD's status
-schema does not preserve unknown fields, so the API server prunes what it does not know.
+Unknown fields are never written: the models forbid extra keys on assignment (a misspelled
+field is a ValidationError in the operator, never a key stored silently), and the CRD's
+status schema does not preserve unknown fields. Reading is lenient about one thing only: a
+field this operator version does not know (written by a newer operator under a newer CRD,
+during an upgrade or a rollback) is left out of the model and left alone on the wire, so
+that every pass of the job does not fail on it. A value of the wrong type is still an error.
 Times are strings in the one format the status has always used (`iso`, `parse_time`).
 """
 from __future__ import annotations
 
+import copy
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
 # Status keys the operator does not own: kopf's default storage keeps handler progress in
@@ -129,10 +133,33 @@ def observed_time(s: str | None) -> datetime | None:
 
 
 def parse(raw: dict[str, Any] | None) -> SFTJobStatus:
-    """The stored status (`body.status`, None for a new job) as a model.
+    """The stored status (`body.status`, None for a new job) as a model; fields the model
+    does not know are left out (module docstring).
 
-    Raises pydantic.ValidationError for a field the model does not know."""
-    return SFTJobStatus.model_validate({k: v for k, v in (raw or {}).items() if k not in FOREIGN_KEYS})
+    Raises pydantic.ValidationError for a known field with an invalid value."""
+    data = {k: v for k, v in (raw or {}).items() if k not in FOREIGN_KEYS}
+    try:
+        return SFTJobStatus.model_validate(data)
+    except ValidationError as err:
+        unknown = [e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"]
+        if len(unknown) != len(err.errors()):
+            raise
+    data = copy.deepcopy(data)
+    for loc in unknown:
+        *parents, leaf = loc
+        node: Any = data
+        for key in parents:
+            node = node[key]
+        node.pop(leaf, None)
+    return SFTJobStatus.model_validate(data)
+
+
+def unknown_fields(raw: dict[str, Any] | None) -> list[str]:
+    """Top-level status fields this version neither knows nor owns (kept on the wire)."""
+    return sorted(k for k in (raw or {}) if k not in _KNOWN and k not in FOREIGN_KEYS)
+
+
+_KNOWN = frozenset(f.alias or name for name, f in SFTJobStatus.model_fields.items())
 
 
 def dump(status: SFTJobStatus) -> dict[str, Any]:
@@ -149,7 +176,7 @@ def merge_patch(old: dict[str, Any] | None, new: SFTJobStatus) -> dict[str, Any]
     server; the operator only ever adds or changes their fields. Conditions is a list and
     is replaced whole."""
     wire = dump(new)
-    gone = {k: None for k in (old or {}) if k not in wire and k not in FOREIGN_KEYS}
+    gone = {k: None for k in (old or {}) if k not in wire and k in _KNOWN}
     return {**gone, **wire}
 
 
