@@ -24,7 +24,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 from sftjob_contract.metrics import METRICS_PATH
 
-from . import api, builders, metrics, progress, reconcile, rejections, status
+from . import api, builders, children, metrics, progress, reconcile, rejections, status
 from . import conditions as c
 from .kube import Conflict, Kube
 from .plan import Plan
@@ -329,8 +329,13 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan) -> rej
     if plan.launch:
         job = builders.JobRef.from_body(body)
         spec = builders.parse_spec(body["spec"])
-        await rt.kube.create(builders.build_service(job))
-        await rt.kube.apply_config_map(builders.build_config_map(job, spec))
+        refused, wait = await children.ensure(rt.kube, job, spec)
+        if refused is not None:
+            log.warning("%s/%s: %s", namespace, name, refused.message)
+            return refused
+        if wait:
+            rt.enqueue(key, 1.0)
+            return None
         log.info("%s/%s: creating pods %s", namespace, name, [p["metadata"]["name"] for p in plan.launch])
         created = await asyncio.gather(*(rt.kube.create(p) for p in plan.launch), return_exceptions=True)
         metrics.PODS_CREATED.inc(sum(1 for ok in created if ok is True))

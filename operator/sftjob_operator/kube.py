@@ -127,12 +127,23 @@ class Kube:
                 return False
             raise
 
-    async def apply_config_map(self, manifest: dict[str, Any]) -> None:
-        """Create the ConfigMap, or bring its data up to date (the grace period may change)."""
-        if not await self.create(manifest):
-            meta = manifest["metadata"]
-            await _run(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"],
-                                    {"data": manifest["data"]})
+    async def read(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
+        """The stored Service or ConfigMap of `manifest`'s name; None when there is none."""
+        meta = manifest["metadata"]
+        fn = {"Service": self.core.read_namespaced_service,
+              "ConfigMap": self.core.read_namespaced_config_map}[manifest["kind"]]
+        try:
+            found = await self._call(fn, meta["name"], meta["namespace"])
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return {"kind": manifest["kind"], **found}
+
+    async def patch_config_map_data(self, manifest: dict[str, Any]) -> None:
+        """Bring a ConfigMap's data up to date (the grace period may change)."""
+        meta = manifest["metadata"]
+        await _run(self.core.patch_namespaced_config_map, meta["name"], meta["namespace"], {"data": manifest["data"]})
 
     async def pods_owned_by(self, namespace: str, names: list[str], uid: str) -> bool:
         """Whether every named pod exists and belongs to the job with this uid."""

@@ -135,6 +135,52 @@ def from_api_error(status: int, body: Any, pod: dict[str, Any], spec: api.SFTJob
                      f"the API server refused pod {pod['metadata']['name']}: {detail}", permanent=True)
 
 
+# -- the job's Service and ConfigMap ------------------------------------------------------
+
+# What each child is built from, for a message that says what to change.
+_CHILD_ROLE = {"Service": "the headless Service that gives the ranks their DNS names",
+               "ConfigMap": "the trainer configuration, built from spec.model, spec.data and spec.training"}
+
+
+def from_child_error(status: int, body: Any, manifest: dict[str, Any]) -> Rejection:
+    """The API server refused the job's Service or ConfigMap: a count quota that others fill
+    is waited for like a pod's; anything else (a quota of zero, a policy engine's denial, a
+    ConfigMap over 1 MiB) fails the job naming the object."""
+    message = _status(body).get("message") or f"HTTP {status}"
+    kind, name = manifest["kind"], manifest["metadata"]["name"]
+    what = f"{kind} {name} ({_CHILD_ROLE.get(kind, kind)})"
+    if status == 403 and "exceeded quota" in message:
+        parts = dict(re.findall(r"(requested|used|limited): ([^:]*?)(?=, (?:requested|used|limited):|$)", message))
+        requested, limited = _amounts(parts.get("requested", "")), _amounts(parts.get("limited", ""))
+        if any(k in limited and v > limited[k] for k, v in requested.items()):
+            return Rejection(c.REASON_QUOTA_EXCEEDED, f"the namespace quota allows no {what}: {message}; "
+                             "raise the quota", permanent=True)
+        return Rejection(c.REASON_QUOTA_EXCEEDED, f"waiting for namespace quota to create {what}: {message}",
+                         permanent=False)
+    return Rejection(c.REASON_OBJECT_REJECTED, f"the API server refused {what}: {message}", permanent=True)
+
+
+def child_owner(existing: dict[str, Any], job_name: str, job_uid: str) -> str:
+    """Whose the object holding the child's name is: 'ours', 'previous' (an earlier SFTJob of
+    the same name, which garbage collection will remove) or 'taken' (anyone else's)."""
+    owners = existing["metadata"].get("ownerReferences") or []
+    if any(o.get("uid") == job_uid for o in owners):
+        return "ours"
+    if any(o.get("kind") == api.KIND and o.get("name") == job_name for o in owners):
+        return "previous"
+    return "taken"
+
+
+def name_taken(existing: dict[str, Any]) -> Rejection:
+    meta = existing["metadata"]
+    owners = ", ".join(f"{o.get('kind')} {o.get('name')}" for o in meta.get("ownerReferences") or []) or "no owner"
+    what = f"{existing.get('kind', 'object')} {meta['namespace']}/{meta['name']}"
+    return Rejection(c.REASON_NAME_TAKEN,
+                     f"{what} already exists and is not this job's ({owners}); this job needs the name for "
+                     f"{_CHILD_ROLE.get(existing.get('kind', ''), 'itself')}: rename the SFTJob (metadata.name) "
+                     "or remove that object", permanent=True)
+
+
 # -- ResourceQuota ----------------------------------------------------------------------
 
 _SUFFIX = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),

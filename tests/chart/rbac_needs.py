@@ -127,8 +127,16 @@ async def _delete_pod(ctx):
     await ctx.kube.delete_pod(ctx.namespace, "rbac-probe-absent")  # 404 is swallowed, 403 is not
 
 
+def _read_child(kind: str) -> Probe:
+    async def probe(ctx: ProbeContext) -> Any:
+        # children.ensure reads a same-named Service/ConfigMap to check its owner; absent: None.
+        assert await ctx.kube.read({"kind": kind, "metadata": {"name": "rbac-probe-absent",
+                                                               "namespace": ctx.namespace}}) is None
+    return probe
+
+
 async def _patch_config_map(ctx):
-    # apply_config_map patches an existing ConfigMap's data; the probe's target does not
+    # children.ensure patches an existing ConfigMap's data; the probe's target does not
     # exist, so an authorized call answers 404.
     try:
         await asyncio.to_thread(ctx.kube.core.patch_namespaced_config_map, "rbac-probe-absent", ctx.namespace,
@@ -192,11 +200,15 @@ NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
                             _watch("pods")),
     ("", "pods", "create"): ("kube.create: the gang's pods (builders.build_pod)", _dry_run_create("Pod")),
     ("", "pods", "delete"): ("kube.delete_pod: gang restart, suspend, cleanPodPolicy", _delete_pod),
-    ("", "services", "create"): ("kube.create: the headless Service (builders.build_service)",
+    ("", "services", "create"): ("children.ensure: the headless Service (builders.build_service)",
                                  _dry_run_create("Service")),
-    ("", "configmaps", "create"): ("kube.apply_config_map: the trainer config (builders.build_config_map)",
+    ("", "services", "get"): ("children.ensure: an existing Service of the job's name must be the job's",
+                              _read_child("Service")),
+    ("", "configmaps", "create"): ("children.ensure: the trainer config (builders.build_config_map)",
                                    _dry_run_create("ConfigMap")),
-    ("", "configmaps", "patch"): ("kube.apply_config_map: refresh the config of an existing job",
+    ("", "configmaps", "get"): ("children.ensure: an existing ConfigMap of the config's name must be the job's",
+                                _read_child("ConfigMap")),
+    ("", "configmaps", "patch"): ("children.ensure: refresh the config of an existing job",
                                   _patch_config_map),
     ("", "events", "create"): ("kube.post_event (and kopf's warning events)", _dry_run_create("Event")),
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"): (

@@ -133,18 +133,32 @@ def _failed_with(cluster, ns, name, op):
     ("pod larger than the quota", {"resources.cpu": "2"},
      {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "small"}, "spec": {"hard": {"requests.cpu": "1"}}},
      "QuotaExceeded", "spec.resources"),
+    # The job's other children: a name someone else holds is never taken over, and a refused
+    # Service fails the job like a refused pod (it retried every 5 s forever, Pending).
+    ("a user's ConfigMap holds the config's name", {},
+     {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "refused-config"}, "data": {"keep": "me"}},
+     "NameTaken", "ConfigMap"),
+    ("a ClusterIP Service holds the job's name", {},
+     {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "refused"},
+      "spec": {"ports": [{"port": 80}], "selector": {"app": "web"}}}, "NameTaken", "Service"),
+    ("a quota of no Services", {},
+     {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "small"}, "spec": {"hard": {"services": "0"}}},
+     "QuotaExceeded", "Service refused"),
 ])
 def test_pods_the_api_server_refuses_fail_the_job_naming_the_field(cluster, scoped_operator, example_ns,
                                                                    what, overrides, setup, reason, field):
     ns, name = example_ns, "refused"
     if setup:
         cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(setup))
+    if setup and setup["kind"] == "ResourceQuota":
         wait_for(lambda: cluster.kube.get(f"/api/v1/namespaces/{ns}/resourcequotas/small").get("status", {}).get("hard"),
                  30, what="the quota to be counted")
     apply(cluster, ns, example(name, **overrides))
     failed, events = _failed_with(cluster, ns, name, scoped_operator)
     assert failed["reason"] == reason and field in failed["message"], failed
     assert any(e["reason"] == reason and field in e["message"] for e in events), events
+    if setup and setup["kind"] == "ConfigMap":  # left as its owner wrote it
+        assert cluster.kube.get(f"/api/v1/namespaces/{ns}/configmaps/refused-config")["data"] == {"keep": "me"}
 
 
 def test_missing_secret_is_named_while_waiting_and_at_the_startup_deadline(cluster, scoped_operator, example_ns):
