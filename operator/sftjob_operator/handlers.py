@@ -294,7 +294,8 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
     node_ready, leases, scraped = await _observe(rt, key, body, pods)
     plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped, node_leases=leases,
                           observing_since=rt.observing_since)
-    rejection = await _apply(rt, key, body, plan)
+    uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
+    rejection = await _apply(rt, key, body, plan, uids)
     if rejection is not None:
         # The API server refused a pod: decide again with that knowledge (fail naming the
         # field, or wait for quota) from the status just written.
@@ -304,13 +305,15 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         pods = await rt.kube.list_pods(namespace, name)
         plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection, leases,
                               rt.observing_since)
-        await _apply(rt, key, body, plan)
+        await _apply(rt, key, body, plan, {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods})
     return plan
 
 
-async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan) -> rejections.Rejection | None:
-    """Carry out one plan: status first, then deletions, creations, events. Returns the
-    API server's refusal of a pod, when there was one (nothing after the launch is done)."""
+async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan,
+                 uids: dict[str, str | None]) -> rejections.Rejection | None:
+    """Carry out one plan: status first, then deletions (each of the pod the plan saw:
+    `uids` by name), creations, events. Returns the API server's refusal of a pod, when
+    there was one (nothing after the launch is done)."""
     namespace, name = key
     new = plan.new_status
     if new is not None:
@@ -322,10 +325,11 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan) -> rej
                      new.restarts)
     if plan.delete_pods:
         log.info("%s/%s: deleting pods %s", namespace, name, plan.delete_pods)
-    await asyncio.gather(*(rt.kube.delete_pod(namespace, p) for p in plan.delete_pods))
+    await asyncio.gather(*(rt.kube.delete_pod(namespace, p, uid=uids.get(p)) for p in plan.delete_pods))
     if plan.force_delete_pods:
         log.warning("%s/%s: force-deleting pods on lost nodes %s", namespace, name, plan.force_delete_pods)
-    await asyncio.gather(*(rt.kube.delete_pod(namespace, p, grace_period_seconds=0) for p in plan.force_delete_pods))
+    await asyncio.gather(*(rt.kube.delete_pod(namespace, p, grace_period_seconds=0, uid=uids.get(p))
+                           for p in plan.force_delete_pods))
     if plan.launch:
         job = builders.JobRef.from_body(body)
         spec = builders.parse_spec(body["spec"])

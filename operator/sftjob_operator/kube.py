@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from datetime import datetime
 from typing import Any
@@ -19,6 +20,8 @@ from . import api
 from .builders import LABEL_JOB
 from .failure_policy import NodeLease, NodeReadiness
 from .status import observed_time
+
+log = logging.getLogger("sftjob_operator")
 
 NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each kubelet renews the Lease named like its node
 
@@ -158,12 +161,21 @@ class Kube:
                 return False
         return True
 
-    async def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None) -> None:
+    async def delete_pod(self, namespace: str, name: str, grace_period_seconds: int | None = None,
+                         uid: str | None = None) -> None:
         """Delete a pod (its own grace period, or `grace_period_seconds`: 0 for a pod on a
-        lost node, which no kubelet will ever confirm)."""
+        lost node, which no kubelet will ever confirm). With `uid`, only that pod: pod names
+        repeat across attempts, and a delete decided on an older listing must not reach the
+        next attempt's pod of the same name (the API server answers 409; nothing to do)."""
+        body = kubernetes.client.V1DeleteOptions(
+            grace_period_seconds=grace_period_seconds,
+            preconditions=kubernetes.client.V1Preconditions(uid=uid) if uid else None)
         try:
-            await _run(self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=grace_period_seconds)
+            await _run(self.core.delete_namespaced_pod, name, namespace, body=body)
         except ApiException as err:
+            if err.status == 409 and uid:
+                log.info("pod %s/%s is no longer uid %s: not deleted", namespace, name, uid)
+                return
             if err.status != 404:
                 raise
 

@@ -198,3 +198,24 @@ def test_helm_install_small_chart(cluster, namespace, tmp_path):
     assert dep["status"].get("readyReplicas") == 1
     cluster.helm("uninstall", "rel", "-n", namespace, "--wait", "--timeout", "60s")
     cluster.wait_gone(f"/api/v1/namespaces/{namespace}/configmaps/rel-config")
+
+
+def test_a_pod_delete_reaches_only_the_pod_it_was_decided_for(cluster, namespace):
+    """Pod names repeat across a job's attempts: a delete decided on an older listing must
+    not remove the next attempt's pod of the same name (the operator's deletes carry the uid)."""
+    import asyncio
+
+    from sftjob_operator.kube import Kube
+
+    path = f"/api/v1/namespaces/{namespace}/pods"
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "same-name"},
+           "spec": {"nodeSelector": {"no-such-node": "x"}, "containers": [{"name": "c", "image": "none"}]}}
+    old_uid = cluster.kube.create(path, pod)["metadata"]["uid"]
+    cluster.kubectl("-n", namespace, "delete", "pod", "same-name", "--wait=true")
+    new_uid = cluster.kube.create(path, pod)["metadata"]["uid"]
+    kube = Kube(cluster.api_client())
+    asyncio.run(kube.delete_pod(namespace, "same-name", uid=old_uid))    # refused: another pod now
+    assert cluster.kube.get(f"{path}/same-name")["metadata"]["uid"] == new_uid
+    asyncio.run(kube.delete_pod(namespace, "same-name", uid=new_uid))
+    wait_for(lambda: not cluster.kubectl("-n", namespace, "get", "pod", "same-name", "--ignore-not-found",
+                                         "-o", "name").stdout.strip(), 30, what="the pod of that uid to go")
