@@ -26,6 +26,8 @@ LABEL_ATTEMPT = "sftjob.io/attempt"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "sftjob-operator", "app.kubernetes.io/name": "sftjob"}
 CONFIG_DIR = "/etc/sftjob"
 CONFIG_FILE = "config.yaml"
+# The scratch volume (spec.resources.scratch): checkpoint staging and the model cache.
+SCRATCH_DIR = "/var/lib/sftjob"
 CONTAINER = "trainer"
 MASTER_PORT = 29500
 METRICS_PORT = 9400
@@ -236,6 +238,8 @@ def _env(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int, master_port
         {"name": E.PYTHONUNBUFFERED, "value": "1"},
         {"name": E.JOB_NAME, "value": job.name},
         {"name": E.ATTEMPT, "value": str(attempt)},
+        {"name": E.LOCAL_DIR, "value": f"{SCRATCH_DIR}/outputs"},
+        {"name": E.MODEL_CACHE, "value": f"{SCRATCH_DIR}/models"},
     ]
     if storage.endpoint:
         env.append({"name": E.AWS_ENDPOINT_URL, "value": storage.endpoint})
@@ -266,6 +270,10 @@ def _resources(spec: api.SFTJobSpec) -> dict[str, Any]:
         requests["cpu"] = str(res.cpu)
     if res.memory is not None:
         requests["memory"] = limits["memory"] = res.memory
+    if res.scratch.size is not None and not res.scratch.storage_class_name:
+        # The emptyDir counts against the node's ephemeral storage: ask for it up front so
+        # the pod lands where it fits, instead of being evicted for DiskPressure mid-run.
+        requests["ephemeral-storage"] = res.scratch.size
     if res.gpus_per_node:
         requests["nvidia.com/gpu"] = limits["nvidia.com/gpu"] = str(res.gpus_per_node)
     return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
@@ -273,6 +281,17 @@ def _resources(spec: api.SFTJobSpec) -> dict[str, Any]:
 
 def config_hash(job: JobRef, spec: api.SFTJobSpec) -> str:
     return hashlib.sha256(config_text(job, spec).encode()).hexdigest()[:16]
+
+
+def scratch_volume(spec: api.SFTJobSpec) -> dict[str, Any]:
+    """The scratch volume's source: an emptyDir (size-limited when a size is given), or a
+    generic ephemeral volume of the chosen StorageClass."""
+    scratch = spec.resources.scratch
+    if scratch.storage_class_name:
+        return {"ephemeral": {"volumeClaimTemplate": {"spec": {
+            "accessModes": ["ReadWriteOnce"], "storageClassName": scratch.storage_class_name,
+            "resources": {"requests": {"storage": scratch.size}}}}}}
+    return {"emptyDir": {"sizeLimit": scratch.size} if scratch.size else {}}
 
 
 def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
@@ -313,6 +332,8 @@ def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
         container["volumeMounts"].append({"name": "storage", "mountPath": spec.storage.uri.rstrip("/")})
         volumes.append({"name": "storage",
                         "persistentVolumeClaim": {"claimName": spec.storage.persistent_volume_claim.claim_name}})
+    container["volumeMounts"].append({"name": "scratch", "mountPath": SCRATCH_DIR})
+    volumes.append({"name": "scratch", **scratch_volume(spec)})
     if res.gpus_per_node:
         # NCCL's shared-memory transport outgrows the container runtime's 64 MiB /dev/shm.
         container["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})

@@ -94,6 +94,31 @@ class EnvVar(SpecModel):
     value_from: EnvVarSource | None = Field(default=None, description="Take the value from a Secret or ConfigMap key.")
 
 
+class ScratchSpec(SpecModel):
+    """The node-local disk a training pod writes to: checkpoint shards staged before upload,
+    and the downloaded model. A declared volume, never the container's writable layer."""
+
+    model_config = ConfigDict(json_schema_extra=rules(
+        cel("!has(self.storageClassName) || has(self.size)",
+            "resources.scratch.storageClassName needs resources.scratch.size (the volume's capacity)",
+            field_path=".storageClassName")))
+
+    size: str | None = Field(
+        default=None, max_length=64,
+        description="Scratch space per pod (a quantity, e.g. 200Gi): the emptyDir's sizeLimit and the pod's "
+        "ephemeral-storage request, so the scheduler places the pod only where the disk fits. It must hold the "
+        "model (once per pod) and one checkpoint's shards of the pod's ranks (README, On a real cluster). Empty: no "
+        "limit and no request.",
+        json_schema_extra=rules(cel("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
+                                    "must be a positive Kubernetes quantity, e.g. 200Gi")),
+    )
+    storage_class_name: str | None = Field(
+        default=None, max_length=253, pattern=DNS_SUBDOMAIN,
+        description="Instead of an emptyDir, a generic ephemeral volume of this StorageClass and `size` per pod "
+        "(e.g. local NVMe through a local-volume provisioner); it lives and dies with the pod.",
+    )
+
+
 class ResourcesSpec(SpecModel):
     """Shape and placement of the gang: nodes, processes, devices, image and scheduling."""
 
@@ -147,6 +172,7 @@ class ResourcesSpec(SpecModel):
         default=None, max_length=253, pattern=DNS_SUBDOMAIN,
         description="ServiceAccount the pods run as (e.g. one bound to a cloud storage role).",
     )
+    scratch: ScratchSpec = Field(default=ScratchSpec(), description="Node-local scratch disk of each pod.")
     env: list[EnvVar] | None = Field(
         default=None, max_length=64,
         description="Extra environment variables for the trainer, unique by name. Storage credentials "

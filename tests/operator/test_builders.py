@@ -127,3 +127,24 @@ def test_runtime_invalid_spec_is_reported(overrides, match):
     job = builders.JobRef.from_body(body)
     with pytest.raises(builders.InvalidSpec, match=match):
         builders.trainer_config(job, builders.parse_spec(body["spec"]))
+
+
+def test_scratch_is_a_declared_volume_sized_and_requested():
+    """Checkpoint staging and the model cache lived on the container's writable layer with no
+    request: at 7B that is tens of GB per node the scheduler never heard of (DiskPressure)."""
+    job, spec = _job_and_spec(**{"resources.scratch": {"size": "200Gi"}})
+    ps = builders.build_pod(job, spec, rank=0, attempt=0)["spec"]
+    c = ps["containers"][0]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert {"name": "scratch", "mountPath": builders.SCRATCH_DIR} in c["volumeMounts"]
+    assert env["SFTJOB_LOCAL_DIR"].startswith(builders.SCRATCH_DIR + "/")
+    assert env["SFTJOB_MODEL_CACHE"].startswith(builders.SCRATCH_DIR + "/")
+    assert {"name": "scratch", "emptyDir": {"sizeLimit": "200Gi"}} in ps["volumes"]
+    assert c["resources"]["requests"]["ephemeral-storage"] == "200Gi"
+    # A generic ephemeral volume of the user's class instead: its capacity, not node ephemeral storage.
+    job, spec = _job_and_spec(**{"resources.scratch": {"size": "500Gi", "storageClassName": "local-nvme"}})
+    ps = builders.build_pod(job, spec, rank=0, attempt=0)["spec"]
+    [vol] = [v for v in ps["volumes"] if v["name"] == "scratch"]
+    claim = vol["ephemeral"]["volumeClaimTemplate"]["spec"]
+    assert claim["storageClassName"] == "local-nvme" and claim["resources"]["requests"]["storage"] == "500Gi"
+    assert "ephemeral-storage" not in ps["containers"][0].get("resources", {}).get("requests", {})

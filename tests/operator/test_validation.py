@@ -99,6 +99,9 @@ INVALID = [
      "spec.storage.credentialsSecretRef.name"),
     ("Secret name with a label starting with '-'", {"storage.credentialsSecretRef": {"name": "sftjob.-s3"}},
      "spec.storage.credentialsSecretRef.name"),
+    ("scratch class without a size", {"resources.scratch": {"storageClassName": "local-nvme"}},
+     "spec.resources.scratch.storageClassName"),
+    ("malformed scratch size", {"resources.scratch": {"size": "lots"}}, "spec.resources.scratch.size"),
     # Rank 1 would ask for a second device on a one-GPU pod.
     ("more processes than GPUs", {"resources.gpusPerNode": 1, "resources.processesPerNode": 2,
                                   "data.microBatchSizePerGpu": 64}, "spec.resources.processesPerNode"),
