@@ -30,11 +30,13 @@ REASON_STORAGE_UNAVAILABLE = "StorageUnavailable"
 REASON_CHECKPOINT_FAILED = "CheckpointFailed"
 # Too many optimizer steps in a row (or every step) had a non-finite loss or gradient.
 REASON_NON_FINITE_LOSS = "NonFiniteLoss"
+# A newer attempt of the same job owns the output: this (stale) one stops without writing.
+REASON_SUPERSEDED = "Superseded"
 # Failures the trainer names; the permanent ones exit PERMANENT.
 PERMANENT_REASONS = frozenset({REASON_INVALID_CONFIG, REASON_INVALID_DATA, REASON_STORAGE_DENIED,
                                REASON_NON_FINITE_LOSS})
 FAILURE_REASONS = PERMANENT_REASONS | {REASON_TRAINING_ERROR, REASON_STORAGE_UNAVAILABLE,
-                                       REASON_CHECKPOINT_FAILED}
+                                       REASON_CHECKPOINT_FAILED, REASON_SUPERSEDED}
 
 # Kubernetes' default terminationMessagePath; env.TERMINATION_LOG overrides it.
 TERMINATION_LOG = "/dev/termination-log"

@@ -12,6 +12,7 @@ CHECKPOINTS = "checkpoints"      # holds step-<N>/ directories
 COMMITTED = "COMMITTED"          # written last into a step directory: only then it counts
 MANIFEST = "manifest.json"       # every file of a checkpoint and its size, written before COMMITTED
 CACHE = "cache"                  # derived files (the data scan), safe to delete
+OWNER = "owner.json"             # the attempt that may commit, prune and export (trainer fence.py)
 TRAINER_STATE = "trainer_state.json"  # in a step directory: step, epoch, data cursor, RNG
 RANK_REPORTS = "_ranks"          # in a step directory: what each rank published (rank-<r>.json)
 LATEST = "latest"                # checkpoints/latest: the newest committed step, for people and

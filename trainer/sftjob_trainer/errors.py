@@ -48,3 +48,9 @@ class NonFiniteLoss(TrainerError):
     """Training produced only non-finite losses or gradients for too long."""
     reason = exits.REASON_NON_FINITE_LOSS
     exit_code = exits.PERMANENT
+
+
+class Superseded(TrainerError):
+    """A newer attempt owns the output prefix (fence.py): this one must not write there."""
+    reason = exits.REASON_SUPERSEDED
+    exit_code = exits.FAILED
