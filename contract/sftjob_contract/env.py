@@ -40,6 +40,8 @@ TERMINATION_LOG = "SFTJOB_TERMINATION_LOG"
 LOG_FORMAT = "SFTJOB_LOG_FORMAT"
 LOCAL_DIR = "SFTJOB_LOCAL_DIR"
 MODEL_CACHE = "SFTJOB_MODEL_CACHE"
+# Attempts per object-storage operation before a transient failure ends the run (default 8).
+S3_ATTEMPTS = "SFTJOB_S3_ATTEMPTS"
 
 # What a user may not set in spec.resources.env (the CRD refuses them): the operator or
 # torchrun sets these, and a user's value would silently break the rendezvous or the storage.

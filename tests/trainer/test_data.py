@@ -93,9 +93,30 @@ def test_not_parquet(tmp_path, tok):
         SFTDataset([str(f)], SampleBuilder(tok, cfg([str(f)])), "train")
 
 
-def test_missing_file(tmp_path, tok):
-    with pytest.raises(InvalidData, match="does not exist"):
-        SFTDataset([str(tmp_path / "nope.parquet")], SampleBuilder(tok, cfg(["x"])), "train")
+def test_missing_file_names_its_spec_field(tmp_path, tok):
+    f = write(tmp_path, [{"prompt": "p", "response": "r"}])
+    missing = str(tmp_path / "nope.parquet")
+    with pytest.raises(InvalidData, match=rf"^spec.data.trainFiles\[1\] {missing}: data file does not exist$"):
+        SFTDataset([f, missing], SampleBuilder(tok, cfg(["x"])), "train")
+    with pytest.raises(InvalidData, match=r"^spec.data.valFiles\[0\] .*nope.parquet: data file does not exist"):
+        SFTDataset([missing], SampleBuilder(tok, cfg(["x"])), "val")
+
+
+def corrupt_row_group(path: str, rg: int) -> None:
+    """Overwrite the page header at the start of row group ``rg``'s first column chunk."""
+    col = pq.ParquetFile(path).metadata.row_group(rg).column(0)
+    start = col.dictionary_page_offset if col.has_dictionary_page else col.data_page_offset
+    with open(path, "r+b") as fh:
+        fh.seek(start)
+        fh.write(b"\xff" * 24)
+
+
+def test_corrupt_row_group_is_invalid_data_naming_file_and_row_group(tmp_path, tok):
+    f = str(tmp_path / "c.parquet")
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(6)], "response": ["r"] * 6}), f, row_group_size=2)
+    corrupt_row_group(f, 1)
+    with pytest.raises(InvalidData, match=rf"^spec.data.trainFiles\[0\] {f}: row group 1 is corrupt"):
+        SFTDataset([f], SampleBuilder(tok, cfg([f])), "train")
 
 
 def test_wrong_column_type(tmp_path, tok):
@@ -112,8 +133,16 @@ def test_malformed_messages(tmp_path, tok):
 
 def test_no_trainable_tokens(tmp_path, tok):
     f = write(tmp_path, [{"prompt": "what color is the kiwi ?" * 4, "response": "x"}] * 3)
-    with pytest.raises(InvalidData, match="no trainable tokens: all 3 rows were dropped"):
+    with pytest.raises(InvalidData, match=r"no trainable tokens: all 3 rows were dropped; spec.data.maxLength \(8\) "
+                                          "is too small for the data"):
         SFTDataset([f], SampleBuilder(tok, cfg([f], max_length=8, truncation="right")), "train")
+
+
+def test_no_trainable_tokens_from_empty_responses_does_not_blame_max_length(tmp_path, tok):
+    f = write(tmp_path, [{"messages": [{"role": "user", "content": "hi"}]}] * 2)
+    with pytest.raises(InvalidData, match=r"all 2 rows were dropped; every response is empty") as err:
+        SFTDataset([f], SampleBuilder(tok, cfg([f], messages_key="messages")), "train")
+    assert "maxLength" not in str(err.value)
 
 
 def test_directory_and_glob(tmp_path, tok):

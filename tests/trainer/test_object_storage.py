@@ -310,13 +310,13 @@ def test_a_parquet_read_rides_out_a_short_s3_outage(minio, monkeypatch):
 
     import pyarrow.parquet as pq
 
-    from sftjob_trainer import storage
+    from sftjob_trainer import parquetfs
 
     for k, v in minio.env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AWS_ENDPOINT_URL", minio.endpoint)
-    storage._s3_filesystem.cache_clear()
-    fs, path = storage.parquet_filesystem(f"s3://{BUCKET}/data/val.parquet")
+    parquetfs._s3_filesystem.cache_clear()
+    fs, path = parquetfs.parquet_filesystem(f"s3://{BUCKET}/data/val.parquet")
     want = pq.read_table(path, filesystem=fs)
     minio.stop()
     restart = threading.Timer(4.0, minio.start)
@@ -325,5 +325,55 @@ def test_a_parquet_read_rides_out_a_short_s3_outage(minio, monkeypatch):
         got = pq.read_table(path, filesystem=fs)
     finally:
         restart.join()
-        storage._s3_filesystem.cache_clear()
+        parquetfs._s3_filesystem.cache_clear()
     assert got.equals(want)
+
+
+# --------------------------------------------------------------------------- permanent vs transient, on MinIO
+
+
+def test_model_from_an_empty_minio_prefix_exits_2_naming_spec_model_path(minio, tmp_path):
+    out = tmp_path / "out"
+    args = s3_args(str(out), **{"model.path": f"s3://{BUCKET}/models/none", "data.train_files": minio.small_local})
+    term = tmp_path / "termination-log"
+    result = runner.run(args, out, timeout=300, extra_env=env_for(minio, tmp_path) | {"SFTJOB_TERMINATION_LOG": str(term)})
+    assert result.code == 2, result.output
+    assert term.read_text().startswith(f"InvalidConfig: spec.model.path s3://{BUCKET}/models/none: no objects"), \
+        term.read_text()
+
+
+def test_wrong_minio_credentials_are_denied_at_once_and_never_shown(minio, s3env, monkeypatch):
+    """SignatureDoesNotMatch is permanent: StorageDenied naming the field, with no retry
+    (the checkpointer ends the run on it) and without the secret in the message."""
+    from sftjob_trainer.errors import StorageDenied
+    from sftjob_trainer.storage import S3Prefix, local_model_path
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-for-the-test")
+    monkeypatch.setenv("SFTJOB_MODEL_CACHE", str(s3env / "models"))
+    t0 = time.monotonic()
+    with pytest.raises(StorageDenied, match=rf"^spec.storage.uri s3://{BUCKET}/faults/denied: .*SignatureDoesNotMatch"
+                       ) as err:
+        S3Prefix(f"s3://{BUCKET}/faults/denied", scratch=s3env / "local").put_bytes("checkpoints/latest", b"1")
+    with pytest.raises(StorageDenied, match=rf"^spec.model.path s3://{BUCKET}/models/tiny: "):
+        local_model_path(f"s3://{BUCKET}/models/tiny")
+    assert time.monotonic() - t0 < 10
+    assert "wrong-secret-for-the-test" not in str(err.value)
+    assert not minio.keys(BUCKET, "faults/denied/")
+
+
+def test_missing_bucket_is_denied_for_data_and_checkpoints(minio, s3env):
+    from sftjob_trainer import parquetfs
+    from sftjob_trainer.errors import InvalidData, StorageDenied
+    from sftjob_trainer.parquet import resolve_files
+    from sftjob_trainer.storage import S3Prefix
+
+    with pytest.raises(StorageDenied, match=r"^spec.storage.uri s3://no-such-bucket/x: .*NoSuchBucket"):
+        S3Prefix("s3://no-such-bucket/x", scratch=s3env / "local").list("checkpoints")
+    parquetfs._s3_filesystem.cache_clear()
+    try:
+        for pattern in ("s3://no-such-bucket/d/", "s3://no-such-bucket/d/*.parquet"):
+            # pyarrow answers a missing bucket with "not found" or NoSuchBucket: permanent either way
+            with pytest.raises((StorageDenied, InvalidData), match=r"^spec.data.trainFiles\[0\] s3://no-such-bucket/d/"):
+                resolve_files([pattern])
+    finally:
+        parquetfs._s3_filesystem.cache_clear()

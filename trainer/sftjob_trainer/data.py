@@ -25,7 +25,7 @@ import numpy as np
 from sftjob_contract.config import DataConfig
 
 from . import dist as dist_utils
-from .errors import InvalidData
+from .errors import InvalidData, TrainerError
 from .parquet import ParquetRows, resolve_files
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,9 @@ IGNORE = -100
 
 # Lengths table codes for rows that never become samples.
 DROPPED_NO_TARGET = -1
+
+# The spec field that lists each dataset's files, for messages.
+FILES_FIELD = {"train": "spec.data.trainFiles", "val": "spec.data.valFiles"}
 
 
 @dataclass(frozen=True)
@@ -207,18 +210,29 @@ class SFTDataset:
         self.name = name
         self._rank, self._world = rank, world
         self.builder = builder
-        files = resolve_files(patterns)
-        self.rows = ParquetRows(files, builder.columns)
+        field = FILES_FIELD.get(name, name)
+        resolved = resolve_files(patterns, field)
+        files = [f for f, _ in resolved]
+        self.rows = ParquetRows(files, builder.columns, [w for _, w in resolved])
         if self.rows.num_rows == 0:
-            raise InvalidData(f"{name} data ({', '.join(files)}) has no rows")
+            raise InvalidData(f"{field}: {name} data ({', '.join(files)}) has no rows")
         self.lengths, self.stats = self._cached_scan(cache)
         self.valid = np.flatnonzero(self.lengths > 0)
         if len(self.valid) == 0:
-            raise InvalidData(
-                f"{name} data has no trainable tokens: all {self.stats.rows} rows were dropped "
-                "(empty responses, or truncation removed every response token)"
-            )
+            raise InvalidData(self._why_nothing_trains(field))
         log.info(self.stats.describe(name))
+
+    def _why_nothing_trains(self, field: str) -> str:
+        s, cfg = self.stats, self.builder.cfg
+        head = f"{self.name} data has no trainable tokens: all {s.rows} rows were dropped"
+        if not s.truncated:
+            return f"{head}; every response is empty ({field})"
+        # A row truncated and dropped lost its response to truncation: a longer limit keeps it.
+        return (f"{head}; spec.data.maxLength ({cfg.max_length}) is too small for the data: truncation "
+                f"('{cfg.truncation}') removed every response token of {s.truncated} rows"
+                + (f" (the other {s.rows - s.truncated} have empty responses)" if s.truncated < s.rows else "")
+                + ". Raise spec.data.maxLength" + (", or truncate 'left' to keep the ends of the conversations"
+                                                   if cfg.truncation == "right" else ""))
 
     def _cached_scan(self, cache: ScanCache | None) -> tuple[np.ndarray, ScanStats]:
         """The scan, or its saved result when nothing that decides it has changed.
@@ -258,12 +272,13 @@ class SFTDataset:
                 sample, was_truncated = self.builder.build(self.rows.row(i), f"{self.name} row {i}")
                 lengths[j] = len(sample.input_ids) if sample else DROPPED_NO_TARGET
                 truncated += was_truncated
-        except InvalidData as err:
-            error = str(err)
+        except TrainerError as err:  # a bad row, or storage that failed: every rank must hear of it
+            error = (type(err), str(err))
         gathered = dist_utils.all_gather_objects((lengths, truncated, error))
         errors = [e for _, _, e in gathered if e]
         if errors:
-            raise InvalidData(errors[0])
+            kind, message = errors[0]
+            raise kind(message)
         full = np.concatenate([part for part, _, _ in gathered])
         assert len(full) == self.rows.num_rows
         stats = ScanStats(

@@ -16,46 +16,65 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyarrow import fs as pafs
 
+from . import s3errors
 from .errors import InvalidData
-from .storage import is_s3, parquet_filesystem
+from .parquetfs import parquet_filesystem
+from .s3store import is_s3
 
 
-def resolve_files(patterns: list[str]) -> list[str]:
-    """Expand paths, directories and globs (local or s3://) into a sorted file list."""
-    files: list[str] = []
-    for pattern in patterns:
-        fs, path = parquet_filesystem(pattern)
-        prefix = "s3://" if is_s3(pattern) else ""
-        if any(c in path for c in "*?["):
-            if prefix:
-                base = path.split("*")[0].rsplit("/", 1)[0]
-                infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
-                found = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path))
-            else:
-                found = sorted(glob.glob(path, recursive=True))
-            if not found:
-                raise InvalidData(f"no files match {pattern}")
-            files += [prefix + f for f in found]
-            continue
-        info = fs.get_file_info(path)
-        if info.type == pafs.FileType.Directory or (prefix and info.type == pafs.FileType.NotFound and path.endswith("/")):
-            infos = fs.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
-            found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
-            if not found:
-                raise InvalidData(f"no .parquet files under {pattern}")
-            files += [prefix + f for f in found]
-        elif info.type == pafs.FileType.File:
-            files.append(pattern)
-        else:
-            raise InvalidData(f"data file {pattern} does not exist")
+def _storage_or(err: Exception, field: str, uri: str, what: str, data_error: str) -> Exception:
+    """The storage error ``err`` is (pyarrow already retried it), else ``InvalidData``: the
+    file itself is bad, and reading it again cannot help."""
+    if is_s3(uri) and s3errors.is_storage_error(err):
+        return s3errors.classify(err, field, uri, what)
+    return InvalidData(f"{field} {uri}: {data_error} ({err})")
+
+
+def resolve_files(patterns: list[str], field: str = "spec.data.trainFiles") -> list[tuple[str, str]]:
+    """Expand paths, directories and globs (local or s3://) into a sorted file list of
+    (file, the spec field it came from: ``field[i]``)."""
+    files: list[tuple[str, str]] = []
+    for i, pattern in enumerate(patterns):
+        where = f"{field}[{i}]"
+        try:
+            found = _expand(pattern, where)
+        except OSError as err:
+            raise _storage_or(err, where, pattern, "listing", "cannot list") from None
+        files += [(f, where) for f in found]
     return files
+
+
+def _expand(pattern: str, where: str) -> list[str]:
+    fs, path = parquet_filesystem(pattern)
+    prefix = "s3://" if is_s3(pattern) else ""
+    if any(c in path for c in "*?["):
+        if prefix:
+            base = path.split("*")[0].rsplit("/", 1)[0]
+            infos = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+            found = sorted(i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, path))
+        else:
+            found = sorted(glob.glob(path, recursive=True))
+        if not found:
+            raise InvalidData(f"{where} {pattern}: no files match")
+        return [prefix + f for f in found]
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.Directory or (prefix and info.type == pafs.FileType.NotFound and path.endswith("/")):
+        infos = fs.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
+        found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+        if not found:
+            raise InvalidData(f"{where} {pattern}: no .parquet files under it")
+        return [prefix + f for f in found]
+    if info.type == pafs.FileType.File:
+        return [pattern]
+    raise InvalidData(f"{where} {pattern}: data file does not exist")
 
 
 class ParquetRows:
     """Random access to rows of several parquet files, one cached row group at a time."""
 
-    def __init__(self, files: list[str], columns: list[str]):
+    def __init__(self, files: list[str], columns: list[str], fields: list[str] | None = None):
         self.files = files
+        self.fields = fields or ["data file"] * len(files)  # the spec field each file came from
         self.columns = columns
         self._handles: dict[int, pq.ParquetFile] = {}
         groups: list[tuple[int, int, int]] = []  # (file index, row group, rows)
@@ -65,7 +84,7 @@ class ParquetRows:
             missing = [c for c in columns if c not in names]
             if missing:
                 raise InvalidData(
-                    f"{f}: missing column(s) {', '.join(missing)} (has: {', '.join(sorted(names)) or 'none'}); "
+                    f"{self.fields[fi]} {f}: missing column(s) {', '.join(missing)} (has: {', '.join(sorted(names)) or 'none'}); "
                     "set data.prompt_key/data.response_key or data.messages_key to the right columns"
                 )
             for rg in range(pf.metadata.num_row_groups):
@@ -82,8 +101,9 @@ class ParquetRows:
             fs, path = parquet_filesystem(self.files[fi])
             try:
                 pf = pq.ParquetFile(fs.open_input_file(path))
-            except (pa.ArrowInvalid, OSError) as err:
-                raise InvalidData(f"{self.files[fi]}: not a readable parquet file ({err})") from None
+            except (pa.ArrowException, OSError) as err:
+                raise _storage_or(err, self.fields[fi], self.files[fi], "open",
+                                  "not a readable parquet file") from None
             self._handles[fi] = pf
         return pf
 
@@ -96,7 +116,11 @@ class ParquetRows:
             fi, rg, _ = self.groups[g]
             # Kept as Arrow buffers (not Python objects): a rank holds one decompressed
             # row group at a time, whatever the size of the dataset.
-            self._cache = self._open(fi).read_row_group(rg, columns=self.columns)
+            try:
+                self._cache = self._open(fi).read_row_group(rg, columns=self.columns)
+            except (pa.ArrowException, OSError) as err:
+                raise _storage_or(err, self.fields[fi], self.files[fi], f"reading row group {rg}",
+                                  f"row group {rg} is corrupt; rewrite the file or leave it out") from None
             self._cache_key = g
         j = index - int(self.group_start[g])
         return {c: self._cache.column(c)[j].as_py() for c in self.columns}
@@ -118,9 +142,12 @@ class ParquetRows:
     def identity(self) -> list[tuple[str, int, int]]:
         """(path, size, mtime in ns) of every file: changes whenever a file is rewritten."""
         out = []
-        for f in self.files:
+        for f, field in zip(self.files, self.fields):
             fs, path = parquet_filesystem(f)
-            info = fs.get_file_info(path)
+            try:
+                info = fs.get_file_info(path)
+            except OSError as err:
+                raise _storage_or(err, field, f, "stat", "cannot stat") from None
             mtime = info.mtime_ns if info.mtime_ns is not None else -1
             out.append((f, int(info.size or 0), int(mtime)))
         return out

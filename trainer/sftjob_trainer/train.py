@@ -64,14 +64,13 @@ class Trainer:
         self.cfg, self.world, self.stop = cfg, world, stop
         self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
                                     cfg.trainer.upload_timeout_s)
-        try:
-            self.model_path = model_path = local_model_path(cfg.model.path)
-        except Exception as err:  # noqa: BLE001 - any failure to fetch the model is a config problem
-            raise InvalidConfig(f"model.path {cfg.model.path}: cannot download the model ({err})") from None
+        # Storage failures arrive classified (s3errors): retried then StorageUnavailable (exit 1), or
+        # StorageDenied / InvalidConfig naming spec.model.path (exit 2).
+        self.model_path = model_path = local_model_path(cfg.model.path)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError) as err:
-            raise InvalidConfig(f"model.path {model_path}: cannot load a tokenizer ({err})") from None
+            raise InvalidConfig(f"spec.model.path {cfg.model.path}: cannot load a tokenizer ({err})") from None
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         builder = SampleBuilder(self.tokenizer, cfg.data)
         self.train_ds = SFTDataset(cfg.data.train_files, builder, "train", world.rank, world.size, self.outputs)

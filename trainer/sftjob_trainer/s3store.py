@@ -1,0 +1,238 @@
+"""Objects under an s3:// prefix (boto3): the S3 side of the ``Store`` protocol and the
+per-node download of a prefix (a model, a checkpoint to restore).
+
+Every request is retried while its failure is transient and refused at once when it is
+permanent (``s3errors``); what ends the run names the spec field the URI came from.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import posixpath
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from urllib.parse import urlparse
+
+from sftjob_contract import env as E
+
+from . import s3errors
+from .errors import InvalidConfig
+
+log = logging.getLogger(__name__)
+
+STORAGE_FIELD = "spec.storage.uri"
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    parsed = urlparse(uri)
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
+def local_root(output_dir: str) -> Path:
+    """Node-local scratch space for an s3:// output (staging checkpoints and exports)."""
+    base = Path(os.environ.get(E.LOCAL_DIR) or "/tmp/sftjob")
+    return base / hashlib.sha256(output_dir.encode()).hexdigest()[:16]
+
+
+class UploadError(RuntimeError):
+    """An object could not be written within its retries and deadline (a transient cause)."""
+
+
+class EmptyPrefix(FileNotFoundError):
+    """Nothing to download under a prefix."""
+
+
+def confined(dest: Path, name: str) -> Path:
+    """Where object ``name`` (a key relative to the downloaded prefix) goes under ``dest``.
+
+    A key is chosen by whoever can write the bucket: one rooted at "/" or holding ".." would
+    otherwise be written anywhere the trainer may write."""
+    parts = name.split("/")
+    target = os.path.normpath(dest / name)
+    if name.startswith("/") or ".." in parts or os.path.commonpath([target, os.path.normpath(dest)]) != os.path.normpath(dest):
+        raise ValueError(name)
+    return Path(target)
+
+
+class S3Prefix:
+    """Objects under one s3://bucket/prefix, with bounded retries and deadlines.
+
+    botocore retries each request a few times on its own (jittered backoff); on top of that
+    every operation is retried ``attempts`` times with a longer jittered backoff, and an
+    upload has a deadline, so a stalled store fails the operation loudly instead of hanging.
+    ``field`` is the spec field the URI came from, for the messages.
+    """
+
+    def __init__(self, uri: str, attempts: int | None = None, deadline_s: float = 600.0, workers: int = 8,
+                 scratch: Path | None = None, field: str = STORAGE_FIELD):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, prefix = split_s3(uri.rstrip("/"))
+        self.prefix = prefix.rstrip("/")
+        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self.attempts = attempts or s3errors.attempts()
+        self.deadline_s, self.workers, self.field = deadline_s, workers, field
+        self.client = boto3.client("s3", config=Config(
+            retries={"total_max_attempts": min(3, self.attempts), "mode": "standard"}, connect_timeout=5, read_timeout=60))
+        self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
+        self.scratch = scratch or local_root(self.uri)  # node-local staging for what gets uploaded
+
+    def key(self, rel: str) -> str:
+        rel = rel.strip("/")
+        return "/".join(p for p in (self.prefix, rel) if p)
+
+    # The Store protocol on top of the object operations below.
+
+    def local_path(self, rel: str, rank: int | None = None) -> Path:
+        return self.scratch / (rel if rank is None else f"rank-{rank}/{rel}")
+
+    def publish_dir(self, staged: Path, rel: str, deadline: float | None = None,
+                    replace: bool = False) -> dict[str, int]:
+        if replace:
+            self.delete_dir(rel)
+        files = self.upload_dir(staged, rel, deadline)
+        shutil.rmtree(staged, ignore_errors=True)
+        return files
+
+    def publish_file(self, staged: Path, rel: str, deadline: float | None = None) -> None:
+        self.upload_file(staged, rel, deadline)
+
+    @contextlib.contextmanager
+    def read_dir(self, rel: str, key: str) -> Iterator[Path]:
+        # Keyed (by the run's attempt), so a copy left on the node by an earlier run is never reused.
+        dest = fetch_once(f"{self.uri}/{rel}", self.scratch / "restore" / key / rel, self.field)
+        try:
+            yield dest
+        finally:
+            shutil.rmtree(self.scratch / "restore" / key, ignore_errors=True)
+
+    def _retry(self, what: str, fn, deadline: float | None = None, upload: bool = False):
+        """``fn()``, retried while it fails for a reason that may pass.
+
+        A permanent failure raises ``StorageDenied`` at once. Once the attempts or the
+        deadline are spent, an upload raises ``UploadError`` (the checkpointer decides what a
+        lost checkpoint means) and anything else ``StorageUnavailable``."""
+        deadline = deadline or (time.monotonic() + self.deadline_s)
+        for attempt in range(1, self.attempts + 1):
+            if time.monotonic() > deadline:  # e.g. the stop deadline passed while this waited its turn
+                raise UploadError(f"{self.field}: {what}: deadline passed before attempt {attempt}")
+            try:
+                return fn()
+            except Exception as err:  # noqa: BLE001 - botocore raises many kinds
+                if s3errors.is_permanent(err):
+                    raise s3errors.classify(err, self.field, self.uri, what) from err
+                left = deadline - time.monotonic()
+                if attempt == self.attempts or left <= 0:
+                    if upload:
+                        raise UploadError(f"{self.field}: {what}: failed after {attempt} attempts: "
+                                          f"{s3errors.describe(err)}") from err
+                    raise s3errors.classify(err, self.field, self.uri, what, tries=attempt) from err
+                wait = min(s3errors.backoff(attempt), max(left, 0))
+                log.warning("%s: attempt %d failed (%s); retrying in %.1fs", what, attempt, s3errors.describe(err), wait)
+                time.sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def upload_file(self, local: Path, rel: str, deadline: float | None = None) -> None:
+        self._retry(f"upload {self.uri}/{rel}",
+                    lambda: self.client.upload_file(str(local), self.bucket, self.key(rel), Config=self.transfer),
+                    deadline, upload=True)
+
+    def upload_dir(self, local: Path, rel: str, deadline: float | None = None) -> dict[str, int]:
+        """Upload every file under ``local`` to ``rel/``, in parallel; returns {path: size}."""
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            list(pool.map(lambda p: self.upload_file(p, f"{rel}/{p.relative_to(local)}", deadline), files))
+        return {str(p.relative_to(local)): p.stat().st_size for p in files}
+
+    def put_bytes(self, rel: str, body: bytes, deadline: float | None = None) -> None:
+        self._retry(f"put {self.uri}/{rel}",
+                    lambda: self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body), deadline,
+                    upload=True)
+
+    def get_bytes(self, rel: str) -> bytes | None:
+        def get() -> bytes | None:
+            try:
+                obj = self.client.get_object(Bucket=self.bucket, Key=self.key(rel))
+            except self.client.exceptions.NoSuchKey:
+                return None
+            return obj["Body"].read()
+
+        return self._retry(f"get {self.uri}/{rel}", get)
+
+    def list(self, rel: str) -> dict[str, int]:
+        """{path relative to ``rel``: size} of every object under ``rel/``."""
+        base = self.key(rel)
+        base = base + "/" if base else ""
+
+        def listing() -> dict[str, int]:
+            out: dict[str, int] = {}
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+                for obj in page.get("Contents", []):
+                    out[obj["Key"][len(base):]] = obj["Size"]
+            return out
+
+        return self._retry(f"list {self.uri}/{rel}".rstrip("/"), listing)
+
+    def download_dir(self, rel: str, dest: Path) -> None:
+        """Every object under ``rel/`` into ``dest``, and nothing outside it."""
+        where = f"{self.uri}/{rel}".rstrip("/")
+        # A key ending in "/" is a folder marker some tools create: nothing to download.
+        objects = [name for name in self.list(rel) if name and not name.endswith("/")]
+        if not objects:
+            raise EmptyPrefix(f"nothing under {where}")
+        targets = {}
+        for name in sorted(objects):
+            try:
+                targets[name] = confined(dest, name)
+            except ValueError:
+                raise InvalidConfig(
+                    f"{self.field} {where}: object {name!r} would be written outside the download directory "
+                    "(its key starts with '/' or holds '..'); nothing was downloaded. Rename or remove that object"
+                ) from None
+        dest.mkdir(parents=True, exist_ok=True)
+
+        def fetch(name: str) -> None:
+            target = targets[name]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self._retry(f"download {where}/{name}",
+                        lambda: self.client.download_file(self.bucket, self.key(posixpath.join(rel, name)), str(target)))
+
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            list(pool.map(fetch, sorted(targets)))
+
+    def delete_dir(self, rel: str) -> None:
+        keys = [self.key(f"{rel}/{name}") for name in self.list(rel)]
+        for i in range(0, len(keys), 1000):
+            batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
+            self._retry(f"delete {self.uri}/{rel}", lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete=b))
+
+
+def fetch_once(uri: str, dest: Path, field: str = STORAGE_FIELD) -> Path:
+    """Download an s3:// prefix to ``dest`` once per node, whatever the number of local ranks.
+
+    The first process to take the lock downloads; the others find the completion marker.
+    ``field``: the spec field ``uri`` came from, named by the errors.
+    """
+    done = dest / ".sftjob-complete"
+    if done.exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(dest) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            log.info("downloading %s to %s", uri, dest)
+            S3Prefix(uri, field=field).download_dir("", dest)
+            done.write_text(uri + "\n")
+    return dest
