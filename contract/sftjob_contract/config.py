@@ -260,6 +260,21 @@ class TrainerConfig(_Section):
         default=False,
         description="Write the ids (row numbers) of every step's samples to metrics.jsonl, to audit the data order.",
     )
+    max_failed_commits: int = Field(
+        default=3,
+        gt=0,
+        description="End the run (reason CheckpointFailed, exit 1) once this many checkpoint commits in a row have "
+        "failed for a cause that may pass (a slow or failing store); a commit that succeeds resets the count. A "
+        "cause that cannot pass (the store denies the writes, no such bucket, a full disk) ends the run at the first "
+        "failed commit.",
+    )
+    max_non_finite_steps: int = Field(
+        default=5,
+        ge=0,
+        description="End the run (reason NonFiniteLoss, exit 2) once this many optimizer steps in a row had a "
+        "non-finite loss or gradient norm; such a step is skipped (no update). 0: no limit in a row, but a run in "
+        "which no step at all was finite still fails, and nothing is exported.",
+    )
     upload_timeout_s: float = Field(
         default=600.0,
         gt=0,

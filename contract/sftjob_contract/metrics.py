@@ -1,7 +1,8 @@
 """The Prometheus metrics rank 0 serves at METRICS_PATH and the operator scrapes.
 
-Gauges without a measurement yet read NaN, never 0. Counters are registered under the
-names below and exposed with the `_total` suffix Prometheus adds.
+Gauges without a measurement yet read NaN, never 0; a measured loss or gradient norm that
+is not finite is shown as it is (NaN, +Inf), never replaced by the last finite value.
+Counters are registered under the names below and exposed with the `_total` suffix Prometheus adds.
 """
 from __future__ import annotations
 
@@ -26,3 +27,5 @@ LAST_CHECKPOINT_TIMESTAMP_SECONDS = "sftjob_trainer_last_checkpoint_timestamp_se
 
 TOKENS = "sftjob_trainer_tokens"                 # counter: sftjob_trainer_tokens_total
 SKIPPED_STEPS = "sftjob_trainer_skipped_steps"   # counter: sftjob_trainer_skipped_steps_total
+# counter: sftjob_trainer_failed_checkpoint_commits_total (as rank 0 saw them)
+FAILED_CHECKPOINT_COMMITS = "sftjob_trainer_failed_checkpoint_commits"

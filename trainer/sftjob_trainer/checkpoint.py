@@ -57,6 +57,9 @@ class TrainerState:
     world_size: int
     tokens_seen: int
     lr_scheduler: str
+    # Optimizer steps in a row, up to this one, skipped for a non-finite loss or gradient
+    # (trainer.max_non_finite_steps); kept so a restart cannot reset the count.
+    non_finite_in_a_row: int = 0
 
 
 # --------------------------------------------------------------------------- shards (DCP)
@@ -77,10 +80,16 @@ def host_stager() -> DefaultStager:
 
 
 FULL_BELOW = 2 * 2**20  # bytes free under which a failed write is put down to a full disk
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointIOError(TrainerError):
-    """A checkpoint's shards could not be written or read, with each rank's cause."""
+    """A checkpoint's shards could not be written or read, with each rank's cause.
+    ``disk_full``: the cause is a full file system, which the next save meets again."""
+
+    def __init__(self, message: str, disk_full: bool = False):
+        super().__init__(message)
+        self.disk_full = disk_full
 
 
 def io_error(action: str, d: Path, err: BaseException) -> CheckpointIOError:
@@ -94,10 +103,13 @@ def io_error(action: str, d: Path, err: BaseException) -> CheckpointIOError:
     msg = f"{action} {d} failed: {'; '.join(parts)}"
     free = shutil.disk_usage(next(p for p in (d, *d.parents) if p.exists())).free
     # torch's file writer can report a full disk as a bare "unexpected pos": judge by the disk too
-    if free < FULL_BELOW or any(isinstance(c, OSError) and c.errno == errno.ENOSPC for c in causes.values()):
-        msg += (f" (the file system holding {d} is full: {free // 2**20} MiB free; "
-                "give it more space, or keep fewer checkpoints with trainer.keep_checkpoints)")
-    return CheckpointIOError(msg)
+    full = free < FULL_BELOW or any(isinstance(c, OSError) and c.errno in DISK_FULL_ERRNOS for c in causes.values())
+    if full:
+        msg += (f" (the file system holding {d} is full: {free // 2**20} MiB free; give it more space: the volume "
+                "of spec.storage.persistentVolumeClaim for a path spec.storage.uri, the node-local scratch "
+                "(SFTJOB_LOCAL_DIR) for an s3:// one; or keep fewer checkpoints with spec.checkpoint.keep "
+                "(trainer.keep_checkpoints))")
+    return CheckpointIOError(msg, disk_full=full)
 
 
 def _plain_errors(written: Future, d: Path) -> Future:
@@ -165,11 +177,23 @@ def report(store: Store, step: int, rank: int, attempt: str, files: dict[str, in
     store.put_bytes(f"{checkpoint_dir(step)}/{RANK_REPORTS}/rank-{rank}.json", body, deadline)
 
 
+def report_failure(store: Store, step: int, rank: int, attempt: str, err: BaseException,
+                   deadline: float | None = None) -> None:
+    """Say that this rank could not publish ``step``, so rank 0 stops waiting for it. Best
+    effort: the store that failed the upload may refuse this too."""
+    body = json.dumps({"attempt": attempt, "error": f"{type(err).__name__}: {err}"}).encode()
+    try:
+        store.put_bytes(f"{checkpoint_dir(step)}/{RANK_REPORTS}/rank-{rank}.json", body, deadline)
+    except Exception as e:  # noqa: BLE001 - rank 0 then waits for this report until its deadline
+        log.warning("could not report the failed publish of step-%d: %s", step, e)
+
+
 def gather_reports(store: Store, step: int, attempt: str, world: int, deadline: float) -> dict[str, int]:
     """Rank 0: wait until every rank reported ``step`` in this attempt; all their files.
 
     Reports left by an earlier attempt at the same step do not count, so a checkpoint
-    is never committed with shards from a run that died half-way."""
+    is never committed with shards from a run that died half-way. A rank that reports
+    a failure ends the wait at once."""
     rel = f"{checkpoint_dir(step)}/{RANK_REPORTS}"
     while True:
         reports = []
@@ -177,8 +201,11 @@ def gather_reports(store: Store, step: int, attempt: str, world: int, deadline: 
             if not name.endswith(".json"):  # a report being written in place (its .tmp)
                 continue
             body = json.loads(store.get_bytes(f"{rel}/{name}") or b"{}")
-            if body.get("attempt") == attempt:
-                reports.append(body["files"])
+            if body.get("attempt") != attempt:
+                continue
+            if "error" in body:
+                raise UploadError(f"{rel}: {name.removesuffix('.json')} could not publish its shards: {body['error']}")
+            reports.append(body["files"])
         if len(reports) == world:
             return {path: size for files in reports for path, size in files.items()}
         if time.monotonic() > deadline:

@@ -15,6 +15,13 @@ order (``Background``, what the trainer uses). A new save first waits for the pr
 one's shards to be written; the stop checkpoint after SIGTERM and the end of training
 wait for the commit, bounded by the stop deadline. No collective runs in the commit
 thread.
+
+A failed commit never passes silently: a permanent cause (storage refusing the writes,
+a full disk) ends the run at the next step or save boundary, and so does the
+``max_failed_commits``-th failure in a row of any other cause (a success resets the count).
+The commit thread only records the failure; the main thread learns of it (``poll``), the
+trainer's per-step all-reduce carries the flag to every rank, and every rank then raises
+the same error (``end_if_failed``), so none is left waiting in a collective.
 """
 from __future__ import annotations
 
@@ -28,11 +35,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
+
+from sftjob_contract import exits
+from sftjob_contract.layout import CHECKPOINTS, checkpoint_dir
 
 from . import checkpoint as ckpt
 from . import dist as dist_utils
-from sftjob_contract.layout import CHECKPOINTS, checkpoint_dir
+from .errors import CheckpointFailed, StorageDenied, TrainerError
 from .storage import Store, UploadError, fresh_dir
 
 log = logging.getLogger(__name__)
@@ -79,8 +90,9 @@ class Background:
 
 class Checkpointer:
     def __init__(self, store: Store, rank: int, world: int, keep: int, deadline_s: float = 600.0,
-                 strategy: CommitStrategy | None = None):
+                 strategy: CommitStrategy | None = None, max_failed_commits: int = 3):
         self.store, self.rank, self.world, self.keep, self.deadline_s = store, rank, world, keep, deadline_s
+        self.max_failed_commits = max_failed_commits
         self.strategy = strategy if strategy is not None else Background()
         self.where = f"{store.uri}/{CHECKPOINTS}"
         # Reports left by an earlier attempt at the same step must not count for this one.
@@ -93,6 +105,12 @@ class Checkpointer:
         # Called on rank 0 with the step once its marker is written (maybe from the commit
         # thread): what the trainer reports as its last committed checkpoint.
         self.on_commit: Callable[[int], None] | None = None
+        # Called from the main thread with the step of each commit this rank saw fail.
+        self.on_failed_commit: Callable[[int], None] | None = None
+        self.failed_in_a_row = 0
+        self.failed_step: int | None = None  # the newest step whose commit failed
+        self._failure: Exception | None = None  # what ends the run, held until every rank knows
+        self._ended = False
 
     def location(self, step: int) -> str:
         return f"{self.store.uri}/{checkpoint_dir(step)}"
@@ -123,6 +141,8 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self.wait(raise_errors=False, until=until, stopping=stopping)
+        flag = torch.tensor([float(self._failure is not None)])
+        self.end_if_failed(bool(dist_utils.all_reduce_max(flag).item()))
         if self._written is not None:  # it reads the host buffers, and its collectives use our group
             left = None if until is None else max(0.0, until - time.monotonic())
             if not futures.wait([self._written], timeout=left).done:
@@ -148,8 +168,13 @@ class Checkpointer:
         written.result()
         # trainer.upload_timeout_s counts from the shards being on disk, as for a blocking write.
         deadline = min(time.monotonic() + self.deadline_s, until if until is not None else float("inf"))
-        files = self.store.publish_dir(staged, checkpoint_dir(step), deadline)
-        ckpt.report(self.store, step, self.rank, self.attempt, files, deadline)
+        try:
+            files = self.store.publish_dir(staged, checkpoint_dir(step), deadline)
+            ckpt.report(self.store, step, self.rank, self.attempt, files, deadline)
+        except Exception as err:
+            # Rank 0 would otherwise wait for this rank's report until the upload deadline.
+            ckpt.report_failure(self.store, step, self.rank, self.attempt, err, deadline)
+            raise
         if self.rank != 0:
             return step
         merged = ckpt.gather_reports(self.store, step, self.attempt, self.world, deadline)
@@ -160,9 +185,13 @@ class Checkpointer:
                  time.perf_counter() - t0)
         if self.on_commit is not None:
             self.on_commit(step)
-        pruned = ckpt.prune(self.store, step, self.keep)
-        if pruned:
-            log.info("pruned checkpoints %s", pruned)
+        try:
+            pruned = ckpt.prune(self.store, step, self.keep)
+        except Exception as err:  # noqa: BLE001 - step is committed: not a failed commit; the next one retries
+            log.warning("checkpoint %s committed, but pruning older ones failed: %s", self.location(step), err)
+        else:
+            if pruned:
+                log.info("pruned checkpoints %s", pruned)
         return step
 
     def wait(self, raise_errors: bool = True, until: float | None = None,
@@ -187,19 +216,70 @@ class Checkpointer:
                 time.sleep(0.2)
         try:
             future.result(timeout=None if until is None else max(0.0, until - time.monotonic()))
+            self.failed_in_a_row = 0
             return step
         except FutureTimeout:
             self.strategy.abandon()
             err: Exception = UploadError("commit still running at the stop deadline; abandoned")
         except Exception as e:  # noqa: BLE001 - whatever the write or upload raised
             err = e
-        _not_committed(step, err)
+        err = self._failed(step, err)
         if raise_errors:
             raise err
         return None
 
+    # ------------------------------------------------------------------ failed commits
+
+    def _failed(self, step: int | None, err: Exception) -> Exception:
+        """Count a commit that failed; remember what must end the run. Returns ``err``,
+        or the plain error it stands for (a full disk reported as OSError)."""
+        if isinstance(err, OSError) and err.errno in ckpt.DISK_FULL_ERRNOS:
+            err = ckpt.io_error("publishing checkpoint", self.store.local_path(checkpoint_dir(step or 0), self.rank),
+                                err)
+        _not_committed(step, err)
+        self.failed_in_a_row += 1
+        self.failed_step = step
+        if self.on_failed_commit is not None:
+            self.on_failed_commit(step)
+        if self._failure is None:
+            if _ends_the_run_at_once(err):
+                self._failure = err
+            elif self.failed_in_a_row >= self.max_failed_commits:
+                self._failure = CheckpointFailed(
+                    f"{self.failed_in_a_row} checkpoint commits in a row failed, the last (step-{step}) with: {err}. "
+                    f"Training on would only add work that a restart loses: check that spec.storage.uri "
+                    f"({self.store.uri}) is reachable and accepts writes (the limit is "
+                    f"spec.training.maxFailedCommits={self.max_failed_commits})")
+        return err
+
+    def poll(self) -> bool:
+        """At a step boundary, without blocking: settle the commit in flight if it has ended.
+        True when this rank holds a failure that ends the run: pass the sum over ranks to
+        ``end_if_failed``."""
+        if self._pending is not None and self._pending.done():
+            self.wait(raise_errors=False)
+        return self._failure is not None
+
+    def end_if_failed(self, failed_anywhere: bool) -> None:
+        """Collective when ``failed_anywhere`` (every rank passes the same value): every rank
+        raises the same error, the first rank's that holds one, a permanent one first."""
+        if not failed_anywhere:
+            return
+        mine = self._failure
+        held = dist_utils.all_gather_objects(
+            None if mine is None else (_permanent(mine), type(mine).__name__, str(mine)))
+        _, src, (_, kind, message) = min((not h[0], r, h) for r, h in enumerate(held) if h is not None)
+        self._ended = True
+        if src == self.rank and mine is not None:
+            raise mine
+        raise _KINDS.get(kind, CheckpointFailed)(message)
+
     def close(self) -> None:
-        """Let the checkpoint in flight finish (end of training, or an error in the loop)."""
+        """Let the checkpoint in flight finish (end of training, or an error in the loop);
+        not after a failed commit ended the run: that one may wait for a store that fails."""
+        if self._ended:
+            self.strategy.abandon()
+            self._pending = self._pending_step = None
         self.wait(raise_errors=False)
         if self._written is not None:
             futures.wait([self._written])
@@ -208,3 +288,17 @@ class Checkpointer:
 
 def _not_committed(step: int | None, err: BaseException) -> None:
     log.error("checkpoint step-%s was NOT committed: %s", step, err)
+
+
+def _permanent(err: BaseException) -> bool:
+    return getattr(err, "exit_code", exits.FAILED) == exits.PERMANENT
+
+
+def _ends_the_run_at_once(err: BaseException) -> bool:
+    """A cause that the next commit meets again: the store refuses, or the disk is full."""
+    return isinstance(err, StorageDenied) or (isinstance(err, ckpt.CheckpointIOError) and err.disk_full)
+
+
+# The errors a rank can hold when the run ends, rebuilt by name on the ranks that did not see it.
+_KINDS: dict[str, type[TrainerError]] = {c.__name__: c for c in (StorageDenied, CheckpointFailed,
+                                                                  ckpt.CheckpointIOError)}

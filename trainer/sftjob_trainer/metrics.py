@@ -36,8 +36,11 @@ _UNSET_UNTIL_MEASURED = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", 
                          "last_checkpoint_time")
 _COUNTERS = {
     "tokens": (M.TOKENS, "Real (non-pad) tokens processed"),
-    "skipped": (M.SKIPPED_STEPS, "Steps skipped for a non-finite gradient norm"),
+    "skipped": (M.SKIPPED_STEPS, "Steps skipped for a non-finite loss or gradient norm"),
+    "failed_commits": (M.FAILED_CHECKPOINT_COMMITS, "Checkpoint commits that failed"),
 }
+# Measured values that may be non-finite: a NaN loss is news, not a value to hide.
+_SHOWN_NON_FINITE = ("loss", "grad_norm", "val_loss")
 
 
 class Metrics:
@@ -66,7 +69,7 @@ class Metrics:
 
     def gauge(self, **values: float) -> None:
         for k, v in values.items():
-            if k in self._gauges and v is not None and math.isfinite(v):
+            if k in self._gauges and v is not None and (math.isfinite(v) or k in _SHOWN_NON_FINITE):
                 self._gauges[k].set(v)
 
     def count(self, **values: float) -> None:

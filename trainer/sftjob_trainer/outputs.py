@@ -21,13 +21,17 @@ log = logging.getLogger(__name__)
 
 
 class Outputs:
-    def __init__(self, store: Store, rank: int, world: int, keep: int, upload_deadline_s: float):
+    def __init__(self, store: Store, rank: int, world: int, keep: int, upload_deadline_s: float,
+                 max_failed_commits: int = 3):
         self.store, self.rank = store, rank
-        self.checkpoints = Checkpointer(store, rank, world, keep, upload_deadline_s)
+        self.checkpoints = Checkpointer(store, rank, world, keep, upload_deadline_s,
+                                        max_failed_commits=max_failed_commits)
 
     @classmethod
-    def open(cls, output_dir: str, rank: int, world: int, keep: int, upload_deadline_s: float) -> Outputs:
-        return cls(open_store(output_dir.rstrip("/"), upload_deadline_s), rank, world, keep, upload_deadline_s)
+    def open(cls, output_dir: str, rank: int, world: int, keep: int, upload_deadline_s: float,
+             max_failed_commits: int = 3) -> Outputs:
+        return cls(open_store(output_dir.rstrip("/"), upload_deadline_s), rank, world, keep, upload_deadline_s,
+                   max_failed_commits)
 
     def location(self, rel: str) -> str:
         return f"{self.store.uri}/{rel}"

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from sftjob_contract import layout
+from sftjob_contract import exits, layout
 from sftjob_contract.config import SFTConfig
 
 from . import checkpoint as ckpt
@@ -17,7 +17,7 @@ from . import dist as dist_utils
 from .data import SampleBuilder, SFTDataset
 from .batching import GlobalBatches, eval_batches
 from .dist import World
-from .errors import InvalidConfig
+from .errors import CheckpointFailed, InvalidConfig, NonFiniteLoss, TrainerError
 from .export import export
 from .loss import ce_sum
 from .metrics import Metrics, step_flops
@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 def peak_rss_mb() -> float:
     """This process's peak resident memory (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+_NON_FINITE_HINT = ("Check the base model spec.model.path for NaN/inf weights, or lower spec.training.optim.lr, "
+                    "or use spec.training.precision fp32")
 
 
 class Preempted(Exception):
@@ -63,7 +67,7 @@ class Trainer:
 
         self.cfg, self.world, self.stop = cfg, world, stop
         self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
-                                    cfg.trainer.upload_timeout_s)
+                                    cfg.trainer.upload_timeout_s, cfg.trainer.max_failed_commits)
         # Storage failures arrive classified (s3errors): retried then StorageUnavailable (exit 1), or
         # StorageDenied / InvalidConfig naming spec.model.path (exit 2).
         self.model_path = model_path = local_model_path(cfg.model.path)
@@ -95,7 +99,9 @@ class Trainer:
             data_fingerprint=self.train_ds.fingerprint(), world_size=world.size, tokens_seen=0,
             lr_scheduler=cfg.optim.lr_scheduler,
         )
-        self.last_committed = -1
+        # last_saved: the newest step a save started for (every rank); last_committed: the newest
+        # whose marker is written (rank 0 only learns it, from the commit thread).
+        self.last_saved = self.last_committed = -1
         self._resume()
         # Clock of trainer.save_interval_s: the last committed checkpoint, or now (rank 0's counts).
         self.last_save_time = time.monotonic()
@@ -105,8 +111,12 @@ class Trainer:
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
         # Reported when the checkpoint commits (for s3://, after its upload), not when written.
-        self.checkpoints.on_commit = lambda step: self.metrics.gauge(last_checkpoint_step=step,
-                                                                     last_checkpoint_time=time.time())
+        self.checkpoints.on_commit = self._committed
+        self.checkpoints.on_failed_commit = lambda step: self.metrics.count(failed_commits=1)
+
+    def _committed(self, step: int) -> None:
+        self.last_committed = step
+        self.metrics.gauge(last_checkpoint_step=step, last_checkpoint_time=time.time())
 
     # ------------------------------------------------------------------ resume / save
 
@@ -127,7 +137,7 @@ class Trainer:
                 f"{self.state.data_fingerprint}); use a new output_dir to train on new data"
             )
         self.state = ckpt.TrainerState(**{**saved.__dict__, "total_steps": self.total_steps, "world_size": self.world.size})
-        self.last_committed = step
+        self.last_saved = self.last_committed = step
         log.info("resumed from %s (epoch %d, cursor %d; saved by %d processes, now %d)", self.checkpoints.location(step),
                  saved.epoch, saved.cursor, saved.world_size, self.world.size)
 
@@ -135,12 +145,12 @@ class Trainer:
         """Checkpoint the current step; ``final`` also waits until it is committed.
 
         ``until`` (monotonic seconds) is the stop deadline after SIGTERM."""
-        if self.state.step == self.last_committed:
+        if self.state.step == self.last_saved and self.checkpoints.failed_step != self.state.step:
             self.checkpoints.wait(raise_errors=final, until=until)
             return  # never rewrite (and so briefly lose) a committed checkpoint
         blocked = self.checkpoints.save(self.model, self.optimizer, self.state, final=final, until=until,
                                         stopping=lambda: self.stop.requested)
-        self.last_committed = self.state.step
+        self.last_saved = self.state.step
         self.last_save_time = time.monotonic()
         log.info("checkpoint step-%d written in %.2fs%s", self.state.step, blocked,
                  "" if final else " (committing in the background)")
@@ -153,11 +163,14 @@ class Trainer:
         cfg = self.cfg.trainer
         while self.state.step < self.total_steps:
             micro_batches = self.batches.step_batches(self.state.epoch, self.state.cursor)
-            # One all-reduce per step carries the token counts, the SIGTERM flag and rank 0's
-            # save_interval_s decision, so every rank checkpoints after the same step at no extra cost.
+            # One all-reduce per step carries the token counts, the SIGTERM flag, rank 0's
+            # save_interval_s decision and any rank's failed checkpoint commit, so every rank
+            # checkpoints after the same step, and stops after the same one, at no extra cost.
             local = torch.tensor([sum(mb.n_targets for mb in micro_batches), sum(mb.n_tokens for mb in micro_batches),
-                                  float(self.stop.requested), float(self._interval_due())], dtype=torch.float64)
-            n_targets, n_tokens, stops, interval_due = dist_utils.all_reduce_sum(local).tolist()
+                                  float(self.stop.requested), float(self._interval_due()),
+                                  float(self.checkpoints.poll())], dtype=torch.float64)
+            n_targets, n_tokens, stops, interval_due, commit_failed = dist_utils.all_reduce_sum(local).tolist()
+            self.checkpoints.end_if_failed(bool(commit_failed))
             if stops:
                 raise Preempted(self._stop_checkpoint())
             self._train_step(micro_batches, n_targets, n_tokens)
@@ -165,7 +178,16 @@ class Trainer:
                 self.save()
             if self.val_ds is not None and cfg.test_freq and self.state.step % cfg.test_freq == 0:
                 self.validate()
-        self.save(final=True)  # a preemption during validation/export resumes straight into them
+        if self.state.non_finite_in_a_row >= self.state.step > 0:
+            raise NonFiniteLoss(f"no optimizer step of this run had a finite loss and gradient norm (all "
+                                f"{self.state.step} were skipped); nothing is exported. {_NON_FINITE_HINT}")
+        try:
+            self.save(final=True)  # a preemption during validation/export resumes straight into them
+        except TrainerError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a transient cause: name what to check
+            raise CheckpointFailed(f"the final checkpoint step-{self.state.step} was not committed to "
+                                   f"spec.storage.uri ({self.checkpoints.store.uri}): {err}") from err
         if self.val_ds is not None:
             self.validate()
         return self.export()
@@ -187,6 +209,8 @@ class Trainer:
         try:
             self.save(final=True, until=until)
         except Exception as err:  # noqa: BLE001 - still a preemption: what was committed before stays
+            if isinstance(err, TrainerError) and err.exit_code == exits.PERMANENT:
+                raise  # the store refuses writes: a restart would only meet that again
             log.error("stop checkpoint step-%d NOT committed: %s", self.state.step, err)
             return (f"checkpoint step-{self.state.step} not committed within trainer.stop_timeout_s={budget:g}s "
                     f"({err}); resuming from the newest committed checkpoint")
@@ -207,16 +231,20 @@ class Trainer:
             (ce * scale).backward()
             loss_sum += ce.detach().double().cpu()
         grad_norm = self._clip()
-        skipped = not math.isfinite(grad_norm)
+        loss = dist_utils.all_reduce_sum(loss_sum.reshape(1)).item() / n_targets
+        # Both are reduced over all ranks, so every rank skips (and stops) at the same step.
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
         if skipped:
-            log.warning("step %d: non-finite gradient norm, skipping the update", step + 1)
+            log.warning("step %d: non-finite loss (%s) or gradient norm (%s), skipping the update", step + 1, loss,
+                        grad_norm)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = dist_utils.all_reduce_sum(loss_sum.reshape(1)).item() / n_targets
         seconds = time.perf_counter() - t0
 
-        self.state = ckpt.TrainerState(**{**self.state.__dict__, **self._advance(), "tokens_seen": self.state.tokens_seen + int(n_tokens)})
+        self.state = ckpt.TrainerState(**{**self.state.__dict__, **self._advance(),
+                                          "tokens_seen": self.state.tokens_seen + int(n_tokens),
+                                          "non_finite_in_a_row": self.state.non_finite_in_a_row + 1 if skipped else 0})
         rss = dist_utils.all_reduce_max(torch.tensor([peak_rss_mb()])).item()
         row = dict(step=self.state.step, epoch=self.state.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
                    tokens=int(n_tokens), tokens_per_s=n_tokens / seconds, max_rss_mb=rss)
@@ -232,6 +260,11 @@ class Trainer:
         if self.world.is_main and (self.state.step % self.cfg.trainer.log_freq == 0 or self.state.step == self.total_steps):
             log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", self.state.step, self.total_steps,
                      loss, lr, grad_norm, row["tokens_per_s"])
+        limit = self.cfg.trainer.max_non_finite_steps
+        if limit and self.state.non_finite_in_a_row >= limit:
+            raise NonFiniteLoss(f"{self.state.non_finite_in_a_row} optimizer steps in a row, up to step "
+                                f"{self.state.step}, had a non-finite loss ({loss}) or gradient norm ({grad_norm}) and "
+                                f"were skipped (limit: spec.training.maxNonFiniteSteps={limit}). {_NON_FINITE_HINT}")
 
     def _advance(self) -> dict:
         cursor = self.state.cursor + self.batches.global_batch
@@ -273,6 +306,7 @@ class Trainer:
         return val_loss
 
     def export(self) -> str:
+        self._check_weights_finite()
         unwrap(self.model).config.use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
         self.outputs.write_dir(layout.HF, lambda d: export(self.model, self.tokenizer, d, self.model_path, lora,
@@ -280,6 +314,16 @@ class Trainer:
                                                     base_model_ref=str(self.cfg.model.path)))
         self.outputs.publish_metrics()
         return self.outputs.location(layout.exported_model(lora, self.cfg.lora.merge_on_export))
+
+    def _check_weights_finite(self) -> None:
+        """Collective: refuse to export NaN or inf weights. Skipped steps never write them, but
+        a base model can hold them where training never looked (a token the data lacks)."""
+        bad = [n for n, p in self.model.named_parameters()
+               if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
+        bad = sorted({n for part in dist_utils.all_gather_objects(bad) for n in part})
+        if bad:
+            raise NonFiniteLoss(f"the trained weights hold NaN or inf values ({', '.join(bad[:3])}"
+                                f"{', ...' if len(bad) > 3 else ''}); nothing is exported. {_NON_FINITE_HINT}")
 
     def close(self, linger_s: float = 0.0) -> None:
         self.checkpoints.close()
