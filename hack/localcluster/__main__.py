@@ -1,4 +1,4 @@
-"""python -m hack.localcluster {up [--kueue],prepare [--background LOG] [COMPONENT ...],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
+"""python -m hack.localcluster {up [--kueue],prepare [--background LOG] [--no-heartbeat] [COMPONENT ...],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
 import argparse
 import sys
 from pathlib import Path
@@ -16,6 +16,8 @@ def main() -> int:
     p.add_argument("components", nargs="*", default=list(cluster.BINARIES),
                    help=f"binaries to build (default: {' '.join(cluster.BINARIES)}; kueue is optional)")
     p.add_argument("--background", metavar="LOG", help="return at once; the output goes to LOG")
+    p.add_argument("--no-heartbeat", action="store_true",
+                   help="no progress line every 30 s (the background prepare: its output is the log)")
     sub.add_parser("down", help="stop every process of the cluster and remove its state")
     sub.add_parser("status", help="health of each component; exit 1 unless all are healthy")
     sub.add_parser("env", help="print the shell exports of .cluster/env")
@@ -44,7 +46,7 @@ def main() -> int:
             pid = cluster.prepare_in_background(Path(a.background).resolve(), a.components)
             print(f"building the cluster's binaries and images in the background (pid {pid}, log {a.background})")
         else:
-            cluster.prepare(components=a.components)
+            cluster.prepare(components=a.components, beat=not a.no_heartbeat)
     elif a.cmd == "down":
         cluster.down()
     elif a.cmd == "status":

@@ -10,6 +10,7 @@ client files; this module sequences them: up, down, status.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,9 +19,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from . import credentials, images, proc
+from . import credentials, heartbeat, images, proc
 from . import config as C
 from . import realnodes as R
 from .components import command, components, fingerprint, healthy, start, wait
@@ -38,19 +39,30 @@ def ensure_binaries(components: Sequence[str] = BINARIES) -> None:
     subprocess.run([str(C.HACK / "build-binaries.sh"), *components], check=True)
 
 
-def prepare(cfg: C.ClusterConfig | None = None, components: Sequence[str] = BINARIES) -> None:
+def prepare(cfg: C.ClusterConfig | None = None, components: Sequence[str] = BINARIES,
+            say: Callable[[str], None] | None = None, beat: bool = True) -> None:
     """What a first `up` waits for on a new machine, side by side: the nodes' Debian packages
     first (the image builds need buildah), then the Go builds (they keep both cores busy) beside
     the image builds (mostly downloading wheels and writing layers). Seconds when all is there.
 
     Both builds lock their caches, so a second `prepare` (a test session's `up` while
-    `make test` prepares in the background) waits for the first and then finds all built."""
+    `make test` prepares in the background) waits for the first and then finds all built.
+    Meanwhile a heartbeat line (heartbeat.py) goes to `say` (default: stderr) every 30 s;
+    beat=False for the background prepare, whose output is the log the line points at."""
     cfg = cfg or C.load()
-    host_packages()
-    with ThreadPoolExecutor(1, thread_name_prefix="images") as pool:
-        built = pool.submit(images.build, cfg.node_images)
-        ensure_binaries(components)  # a failed Go build raises once the images are done
-    built.result()
+    phase = ["installing the nodes' Debian packages (hack/host-packages.sh)"]
+    t0 = time.time()
+
+    def text() -> str:
+        return heartbeat.line(heartbeat.probe(components, cfg.node_images, t0, phase=phase[0]))
+
+    with heartbeat.beating(text, say) if beat else contextlib.nullcontext():
+        host_packages()
+        phase[0] = None
+        with ThreadPoolExecutor(1, thread_name_prefix="images") as pool:
+            built = pool.submit(images.build, cfg.node_images)
+            ensure_binaries(components)  # a failed Go build raises once the images are done
+        built.result()
 
 
 def host_packages() -> None:
@@ -67,9 +79,11 @@ def prepare_in_background(log_file: Path, components: Sequence[str] = BINARIES) 
     environment; the `up` that needs them waits on the same locks."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with log_file.open("w") as out:
-        child = subprocess.Popen([sys.executable, "-m", "hack.localcluster", "prepare", *components],
+        child = subprocess.Popen([sys.executable, "-m", "hack.localcluster", "prepare", "--no-heartbeat",
+                                  *components],
                                  cwd=C.REPO, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)
+    heartbeat.record_background(child.pid, log_file, components)
     return child.pid
 
 
@@ -102,21 +116,24 @@ def is_up(cfg: C.ClusterConfig | None = None) -> bool:
     return all(status(cfg).values())
 
 
-def up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.ClusterConfig:
-    """Build missing binaries, then start whatever is not running. A no-op on a healthy cluster."""
+def up(cfg: C.ClusterConfig | None = None, timeout: float = 180,
+       say: Callable[[str], None] | None = None) -> C.ClusterConfig:
+    """Build missing binaries, then start whatever is not running. A no-op on a healthy cluster.
+    While it waits for the builds and the images' imports, a heartbeat line goes to `say`
+    (default: stderr) every 30 s."""
     cfg = cfg or C.load()
-    prepare(cfg)
+    prepare(cfg, say=say)
     with proc.locked(cfg):
-        return _up(cfg, timeout)
+        return _up(cfg, timeout, say)
 
 
-def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
+def _up(cfg: C.ClusterConfig, timeout: float, say: Callable[[str], None] | None = None) -> C.ClusterConfig:
     t0 = time.time()
     st = status(cfg)
     if all(st.values()):
         log(f"cluster already up ({cfg.state_dir})")
         # the images follow the checkout: rebuilt when their inputs changed, re-imported then
-        _load_images(cfg, range(len(cfg.nodes)))
+        _load_images(cfg, range(len(cfg.nodes)), say=say)
         stale = stale_components(cfg)
         if stale:
             log(f"WARNING: {', '.join(stale)} run(s) with an older configuration or code than this checkout; "
@@ -140,7 +157,7 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
         if name.startswith("kubelet-") and not loaded:
             # every node whose kubelet is about to start (their containerds run by now)
             starting = [R.node_index(n) for n in components(cfg) if n.startswith("kubelet-") and not st.get(n)]
-            _load_images(cfg, starting, clean=True)
+            _load_images(cfg, starting, clean=True, say=say)
             loaded = True
         # A running but (momentarily) unhealthy component is waited for, never restarted: on a
         # loaded machine a slow health check must not take down a cluster that others use.
@@ -156,7 +173,8 @@ def _up(cfg: C.ClusterConfig, timeout: float) -> C.ClusterConfig:
     return cfg
 
 
-def _load_images(cfg: C.ClusterConfig, nodes, clean: bool = False) -> None:
+def _load_images(cfg: C.ClusterConfig, nodes, clean: bool = False,
+                 say: Callable[[str], None] | None = None) -> None:
     """The images the pods run, into each node's containerd (never pulled: no registry), all
     nodes at once: an import is mostly disk writes, and a cold trainer image takes minutes.
     `clean`: first remove the containers a crashed earlier cluster left in a node's
@@ -167,7 +185,11 @@ def _load_images(cfg: C.ClusterConfig, nodes, clean: bool = False) -> None:
         images.load(R.containerd_address(cfg, i), names=cfg.node_images, prune=True)
 
     nodes = list(nodes)
-    with ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="load") as pool:
+    t0 = time.time()
+    # a cold trainer image takes minutes to import: never silent meanwhile either
+    text = (lambda: f"starting the cluster: importing the images {', '.join(cfg.node_images)} into "
+                    f"{', '.join(cfg.nodes[i] for i in nodes)} ({heartbeat.duration(time.time() - t0)} so far)")
+    with heartbeat.beating(text, say), ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="load") as pool:
         for f in [pool.submit(one, i) for i in nodes]:
             f.result()
 
