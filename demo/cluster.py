@@ -28,7 +28,7 @@ def stage_cluster(ctx: Ctx) -> None:
                                      " (cold: about 28 min on 2 cores, see hack/README.md)" if missing else
                                      f"cached in {cache}"))
     t = time.time()
-    ctx.cfg = localcluster.up()
+    ctx.cfg = localcluster.up(say=out.say)  # a cold build is half an hour: a line every 30 s meanwhile
     out.say(f"local cluster up ({time.time() - t:.0f} s): API server {ctx.cfg.apiserver_url}, "
             f"MinIO {ctx.cfg.s3_endpoint}, nodes {', '.join(ctx.cfg.nodes)}")
     ctx.env = localcluster.env(ctx.cfg)
