@@ -7,6 +7,7 @@ Counters are registered under the names below and exposed with the `_total` suff
 from __future__ import annotations
 
 METRICS_PATH = "/metrics"
+COUNTER_SUFFIX = "_total"  # what Prometheus appends to a counter's name when it exposes it
 # The operator reads rank 0's endpoint this often; after a successful run rank 0 keeps
 # serving for LINGER_S, longer than one interval, so the final values reach the status.
 SCRAPE_INTERVAL_S = 5.0

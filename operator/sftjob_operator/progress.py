@@ -5,7 +5,7 @@ pods need no RBAC at all. Metric names are the contract's (sftjob_contract.metri
 
 The endpoint is the user's pod, so nothing it serves may hurt the operator: a response is
 read up to MAX_BYTES and parsed off the event loop, values that are not finite are
-dropped, and reads happen in a background `Scraper` (bounded concurrency, back-off for
+dropped (except the loss, which is shown as such: a NaN run must not look healthy), and reads happen in a background `Scraper` (bounded concurrency, back-off for
 endpoints that do not answer), never inside a reconcile: one unreachable pod cannot delay
 another job.
 """
@@ -33,6 +33,9 @@ METRICS: dict[str, tuple[str, type]] = {
     M.LOSS: ("loss", float),
     M.TOKENS_PER_SECOND: ("tokensPerSecond", float),
     M.LAST_CHECKPOINT_STEP: ("lastCheckpointStep", int),
+    # Counters: Prometheus exposes them with the _total suffix.
+    M.SKIPPED_STEPS + M.COUNTER_SUFFIX: ("skippedSteps", int),
+    M.FAILED_CHECKPOINT_COMMITS + M.COUNTER_SUFFIX: ("failedCheckpointCommits", int),
 }
 SCRAPE_TIMEOUT_S = 3.0
 CONNECT_TIMEOUT_S = 1.0
@@ -47,9 +50,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in METRICS and math.isfinite(sample.value):
-                key, kind = METRICS[sample.name]
+            if sample.name not in METRICS:
+                continue
+            key, kind = METRICS[sample.name]
+            if math.isfinite(sample.value):
                 out[key] = kind(round(sample.value, 6)) if kind is float else kind(sample.value)
+            elif sample.name == M.LOSS:
+                out[key] = sample.value   # NaN or ±inf: merge() shows it as text
     return out
 
 
@@ -67,7 +74,13 @@ def merge(progress: Progress, metrics: dict[str, float], now: str) -> Progress:
         # The trainer serves its endpoint before it has loaded the data and any checkpoint;
         # its gauges read 0 until then and would wipe the last known progress.
         return progress
+    metrics = dict(metrics)
+    loss = metrics.pop("loss", None)
     new = Progress.model_validate({**progress.model_dump(by_alias=True, exclude_none=True), **metrics})
+    if loss is not None and math.isfinite(loss):
+        new.loss, new.non_finite_loss = loss, None
+    elif loss is not None:
+        new.loss, new.non_finite_loss = None, "nan" if math.isnan(loss) else ("+inf" if loss > 0 else "-inf")
     if new.step != progress.step:
         new.last_step_time = now  # what the hang watchdog (runPolicy.progressDeadlineSeconds) reads
     if new.loss is not None:

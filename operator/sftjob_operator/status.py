@@ -76,7 +76,15 @@ class Progress(StatusModel):
     step: int | None = Field(default=None, description="Optimizer steps done.")
     total_steps: int | None = Field(default=None, description="Optimizer steps in the whole run.")
     epoch: int | None = Field(default=None, description="Current epoch (0-based).")
-    loss: float | None = Field(default=None, description="Latest training loss.")
+    loss: float | None = Field(default=None, description="Latest training loss (absent while it is not finite).")
+    non_finite_loss: str | None = Field(
+        default=None, description="The latest loss when it is not finite (nan, +inf or -inf); loss is then absent.")
+    skipped_steps: int | None = Field(
+        default=None, description="Steps of the current attempt skipped because their loss or gradient was not "
+        "finite (training.maxNonFiniteSteps in a row end the run).")
+    failed_checkpoint_commits: int | None = Field(
+        default=None, description="Checkpoint commits of the current attempt that failed (retried; "
+        "trainer.maxFailedCommits in a row end the run). lastCheckpointStep counts only committed ones.")
     tokens_per_second: float | None = Field(default=None, description="Latest training throughput (all ranks).")
     last_checkpoint_step: int | None = Field(default=None, description="Step of the newest committed checkpoint.")
     summary: str | None = Field(default=None, description="step/totalSteps, as shown by kubectl get.")

@@ -52,8 +52,24 @@ def test_uninitialised_trainer_does_not_wipe_progress():
 
 
 def test_infinite_values_are_dropped_not_raised():
-    got = progress.parse_metrics("sftjob_trainer_step +Inf\nsftjob_trainer_loss -Inf\nsftjob_trainer_total_steps 40\n")
+    got = progress.parse_metrics("sftjob_trainer_step +Inf\nsftjob_trainer_tokens_per_second NaN\n"
+                                 "sftjob_trainer_total_steps 40\n")
     assert got == {"totalSteps": 40}
+
+
+def test_a_non_finite_loss_is_shown_as_such_not_hidden_behind_the_last_finite_one():
+    """A run of NaN steps kept showing its last finite loss, and looked healthy."""
+    before = progress.merge(Progress(), progress.parse_metrics(TEXT), "T1")
+    text = ("sftjob_trainer_step 13\nsftjob_trainer_total_steps 40\nsftjob_trainer_loss NaN\n"
+            "# TYPE sftjob_trainer_skipped_steps counter\nsftjob_trainer_skipped_steps_total 3.0\n"
+            "# TYPE sftjob_trainer_failed_checkpoint_commits counter\n"
+            "sftjob_trainer_failed_checkpoint_commits_total 1.0\n")
+    now = progress.merge(before, progress.parse_metrics(text), "T2")
+    assert now.loss is None and now.non_finite_loss == "nan"
+    assert (now.skipped_steps, now.failed_checkpoint_commits) == (3, 1)
+    assert progress.merge(now, {"step": 14, "totalSteps": 40, "loss": float("-inf")}, "T3").non_finite_loss == "-inf"
+    back = progress.merge(now, {"step": 15, "totalSteps": 40, "loss": 1.5}, "T4")
+    assert (back.loss, back.non_finite_loss) == (1.5, None)
 
 
 class _Endpoints:
