@@ -43,7 +43,8 @@ from sftjob_contract.layout import CHECKPOINTS, checkpoint_dir
 
 from . import checkpoint as ckpt
 from . import dist as dist_utils
-from .errors import CheckpointFailed, StorageDenied, TrainerError
+from .errors import CheckpointFailed, StorageDenied, Superseded, TrainerError
+from .fence import Fence
 from .storage import Store, UploadError, fresh_dir
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class Checkpointer:
         self.failed_in_a_row = 0
         self.failed_step: int | None = None  # the newest step whose commit failed
         self._failure: Exception | None = None  # what ends the run, held until every rank knows
+        self.fence: Fence | None = None  # rank 0's claim on the prefix (fence.py); None: unfenced
         self._ended = False
 
     def location(self, step: int) -> str:
@@ -180,11 +182,15 @@ class Checkpointer:
         merged = ckpt.gather_reports(self.store, step, self.attempt, self.world, deadline)
         if time.monotonic() > deadline:  # abandoned at the stop deadline: never commit late
             raise UploadError(f"deadline passed before committing step-{step}")
+        if self.fence is not None:
+            self.fence.check(f"commit checkpoint step-{step}")
         ckpt.commit(self.store, step, merged, deadline)
         log.info("checkpoint %s committed (%d files, %.2fs after the save)", self.location(step), len(merged),
                  time.perf_counter() - t0)
         if self.on_commit is not None:
             self.on_commit(step)
+        if self.fence is not None:  # a stale attempt must not delete what the current one resumes from
+            self.fence.check("prune older checkpoints")
         try:
             pruned = ckpt.prune(self.store, step, self.keep)
         except Exception as err:  # noqa: BLE001 - step is committed: not a failed commit; the next one retries
@@ -296,9 +302,9 @@ def _permanent(err: BaseException) -> bool:
 
 def _ends_the_run_at_once(err: BaseException) -> bool:
     """A cause that the next commit meets again: the store refuses, or the disk is full."""
-    return isinstance(err, StorageDenied) or (isinstance(err, ckpt.CheckpointIOError) and err.disk_full)
+    return isinstance(err, (StorageDenied, Superseded)) or (isinstance(err, ckpt.CheckpointIOError) and err.disk_full)
 
 
 # The errors a rank can hold when the run ends, rebuilt by name on the ranks that did not see it.
-_KINDS: dict[str, type[TrainerError]] = {c.__name__: c for c in (StorageDenied, CheckpointFailed,
+_KINDS: dict[str, type[TrainerError]] = {c.__name__: c for c in (StorageDenied, Superseded, CheckpointFailed,
                                                                   ckpt.CheckpointIOError)}

@@ -15,6 +15,7 @@ from sftjob_contract.layout import CACHE, METRICS_FILE
 
 from . import dist as dist_utils
 from .checkpointer import Checkpointer
+from .fence import Fence, attempt_from_env
 from .storage import Store, atomic_write, fresh_dir, open_store
 
 log = logging.getLogger(__name__)
@@ -26,6 +27,10 @@ class Outputs:
         self.store, self.rank = store, rank
         self.checkpoints = Checkpointer(store, rank, world, keep, upload_deadline_s,
                                         max_failed_commits=max_failed_commits)
+        # Rank 0 claims the prefix for this attempt before anything reads or writes it; a
+        # newer attempt's claim stops this one before its next commit, prune or export.
+        self.fence = Fence.claim(store, attempt_from_env(), self.checkpoints.attempt) if rank == 0 else None
+        self.checkpoints.fence = self.fence
 
     @classmethod
     def open(cls, output_dir: str, rank: int, world: int, keep: int, upload_deadline_s: float,
@@ -73,10 +78,14 @@ class Outputs:
     def write_dir(self, rel: str, write: Callable[[Path], object]) -> str:
         """Collective: every rank calls ``write`` with a fresh local directory; rank 0's
         content then replaces ``rel``. Returns the published location."""
+        if self.fence is not None:  # before anything is cleared: a local store writes in place
+            self.fence.check(f"write {rel}/")
         staged = fresh_dir(self.store.local_path(rel))
         dist_utils.barrier()  # no rank writes before every rank has cleared its copy
         write(staged)
         if self.rank == 0:
+            if self.fence is not None:
+                self.fence.check(f"publish {rel}/")
             self.store.publish_dir(staged, rel, replace=True)
         dist_utils.barrier()
         return self.location(rel)

@@ -171,6 +171,35 @@ class S3Prefix:
 
         return self._retry(f"get {self.uri}/{rel}", get)
 
+    def get_tagged(self, rel: str) -> tuple[bytes, str] | None:
+        def get() -> tuple[bytes, str] | None:
+            try:
+                obj = self.client.get_object(Bucket=self.bucket, Key=self.key(rel))
+            except self.client.exceptions.NoSuchKey:
+                return None
+            return obj["Body"].read(), obj["ETag"]
+
+        return self._retry(f"get {self.uri}/{rel}", get)
+
+    def put_if(self, rel: str, body: bytes, tag: str | None) -> bool:
+        """S3's conditional write: If-Match the ETag read, or If-None-Match * to create."""
+        condition = {"IfMatch": tag} if tag else {"IfNoneMatch": "*"}
+
+        def put() -> bool:
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body, **condition)
+            except Exception as err:  # noqa: BLE001 - botocore's ClientError, by its status
+                response = getattr(err, "response", None) or {}
+                status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                code = response.get("Error", {}).get("Code")
+                # 412: the object is not at that version; 409: a concurrent conditional write won.
+                if status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                raise
+            return True
+
+        return self._retry(f"conditional put {self.uri}/{rel}", put)
+
     def list(self, rel: str) -> dict[str, int]:
         """{path relative to ``rel``: size} of every object under ``rel/``."""
         base = self.key(rel)

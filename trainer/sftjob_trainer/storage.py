@@ -9,6 +9,8 @@ and publishing only lists what is there.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -56,6 +58,13 @@ class Store(Protocol):
         """{path relative to ``rel``: size} of every object under ``rel/``."""
 
     def delete_dir(self, rel: str) -> None: ...
+
+    def get_tagged(self, rel: str) -> tuple[bytes, str] | None:
+        """The object's bytes and version tag (an ETag); None when there is none."""
+
+    def put_if(self, rel: str, body: bytes, tag: str | None) -> bool:
+        """A conditional write: only if the object is still at ``tag`` (None: only if it
+        does not exist); False when it is not. What fencing (fence.py) stands on."""
 
     def read_dir(self, rel: str, key: str) -> ContextManager[Path]:
         """A local directory holding ``rel/`` while the context lasts (one copy per node and
@@ -144,6 +153,25 @@ class LocalDir:
 
     def delete_dir(self, rel: str) -> None:
         shutil.rmtree(self.root / rel, ignore_errors=True)
+
+    def get_tagged(self, rel: str) -> tuple[bytes, str] | None:
+        """The bytes and a version tag (their digest), as an ETag would be; None: absent."""
+        body = self.get_bytes(rel)
+        return None if body is None else (body, hashlib.sha256(body).hexdigest())
+
+    def put_if(self, rel: str, body: bytes, tag: str | None) -> bool:
+        """Write only if the object is still at ``tag`` (None: absent), under an exclusive
+        lock, so it is a compare-and-swap for every process that shares the directory
+        (flock: a node-local disk; not every network file system honours it)."""
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            current = self.get_tagged(rel)
+            if (current[1] if current else None) != tag:
+                return False
+            atomic_write(path, body)
+            return True
 
     @contextlib.contextmanager
     def read_dir(self, rel: str, key: str) -> Iterator[Path]:  # noqa: ARG002
