@@ -106,8 +106,9 @@ def io_error(action: str, d: Path, err: BaseException) -> CheckpointIOError:
     full = free < FULL_BELOW or any(isinstance(c, OSError) and c.errno in DISK_FULL_ERRNOS for c in causes.values())
     if full:
         msg += (f" (the file system holding {d} is full: {free // 2**20} MiB free; give it more space: the volume "
-                "of spec.storage.persistentVolumeClaim for a path spec.storage.uri, the node-local scratch "
-                "(SFTJOB_LOCAL_DIR) for an s3:// one; or keep fewer checkpoints with spec.checkpoint.keep "
+                "of spec.storage.persistentVolumeClaim for a path spec.storage.uri, the pod's scratch volume "
+                "(spec.resources.scratch.size; SFTJOB_LOCAL_DIR) for an s3:// one; or keep fewer checkpoints with "
+                "spec.checkpoint.keep "
                 "(trainer.keep_checkpoints))")
     return CheckpointIOError(msg, disk_full=full)
 
