@@ -84,7 +84,9 @@ class S3Prefix:
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.attempts = attempts or s3errors.attempts()
         self.deadline_s, self.workers, self.field = deadline_s, workers, field
-        self.client = boto3.client("s3", config=Config(
+        # A session of its own: the default one caches the credentials it first resolved, so a
+        # later change of AWS_* (a rotated Secret in a test, another store) would go unseen.
+        self.client = boto3.session.Session().client("s3", config=Config(
             retries={"total_max_attempts": min(3, self.attempts), "mode": "standard"}, connect_timeout=5, read_timeout=60))
         self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
         self.scratch = scratch or local_root(self.uri)  # node-local staging for what gets uploaded
