@@ -180,3 +180,40 @@ def test_missing_secret_is_named_while_waiting_and_at_the_startup_deadline(clust
     assert failed["reason"] == "StartupDeadlineExceeded"
     assert "spec.storage.credentialsSecretRef.name" in failed["message"] and "not-created-yet" in failed["message"]
     assert any("not-created-yet" in e["message"] for e in events)
+
+
+def test_read_only_output_credentials_fail_the_job_within_one_checkpoint_interval(cluster, scoped_operator,
+                                                                                  example_ns):
+    """Credentials that may read the model and data but not write the output: every periodic
+    commit failed, was only logged, and the job restarted from step 0 backoffLimit times after
+    training to the end. Now the first write the run needs is refused, and the job fails at
+    once, naming spec.storage."""
+    import boto3
+
+    ns, name = example_ns, "read-only"
+    e = cluster.env
+    sts = boto3.client("sts", endpoint_url=e["AWS_ENDPOINT_URL"], aws_access_key_id=e["AWS_ACCESS_KEY_ID"],
+                       aws_secret_access_key=e["AWS_SECRET_ACCESS_KEY"], region_name=e["AWS_REGION"])
+    read_only = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"],
+                                                          "Resource": ["arn:aws:s3:::sftjob-examples",
+                                                                       "arn:aws:s3:::sftjob-examples/*"]}]}
+    # A MinIO session whose policy denies every write: what read-only output credentials are.
+    creds = sts.assume_role(RoleArn="arn:minio:iam:::role/sftjob-read-only", RoleSessionName="read-only",
+                            Policy=json.dumps(read_only), DurationSeconds=3600)["Credentials"]
+    cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-read-only"}, "type": "Opaque",
+        "stringData": {"AWS_ACCESS_KEY_ID": creds["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": creds["SecretAccessKey"],
+                       "AWS_SESSION_TOKEN": creds["SessionToken"]}}))
+    apply(cluster, ns, example(name, **{
+        "storage.credentialsSecretRef": {"name": "s3-read-only"},
+        "resources.env": [{"name": "AWS_SESSION_TOKEN",
+                           "valueFrom": {"secretKeyRef": {"name": "s3-read-only", "key": "AWS_SESSION_TOKEN"}}}],
+        "checkpoint.interval": 5, "runPolicy.backoffLimit": 3}))
+    job = wait_job(cluster, ns, name, scoped_operator, lambda j: j.get("status", {}).get("phase") == "Failed" and j,
+                   timeout=300, what="the job to fail")
+    failed = condition(job, "Failed")
+    assert failed["reason"] == "StorageDenied" and "spec.storage.uri" in failed["message"], failed
+    assert "AccessDenied" in failed["message"], failed
+    assert job["status"]["restarts"]["failures"] == 0                       # no retry that cannot help
+    assert (job["status"].get("progress", {}).get("step") or 0) <= 5      # within one checkpoint interval
+    assert creds["SecretAccessKey"] not in failed["message"] and creds["SessionToken"] not in failed["message"]
