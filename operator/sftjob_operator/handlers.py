@@ -368,8 +368,9 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan,
             log.info("event %s for %s/%s not posted: %s", ev.reason, namespace, name, err.reason)
     if plan.restart_cause:
         metrics.RESTARTS.labels(cause=plan.restart_cause).inc()
-    phase = (new or status.parse(body.get("status"))).phase
-    rt.phases.set(key, phase)
+    current = new or status.parse(body.get("status"))
+    rt.phases.set(key, current.phase, current.progress)
+    phase = current.phase
     if phase in reconcile.TERMINAL and rt.scraper:
         rt.scraper.forget(key)
     if plan.requeue_after is not None and not plan.delete_job:

@@ -11,6 +11,14 @@ JOBS = Gauge("sftjob_operator_jobs", "SFTJobs seen by this operator, by phase.",
 RESTARTS = Counter("sftjob_operator_gang_restarts_total", "Gang restarts, by cause.", ["cause"])
 PODS_CREATED = Counter("sftjob_operator_pods_created_total", "Training pods created.")
 PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+# Per job, from status.progress (eta.py); removed with the job. One series per job: what a
+# platform's dashboard shows beside the queue.
+JOB_PERCENT = Gauge("sftjob_operator_job_progress_percent", "Percent of a job's steps done.", ["namespace", "name"])
+JOB_ETA = Gauge("sftjob_operator_job_estimated_remaining_seconds", "Estimated seconds to a job's last step.",
+                ["namespace", "name"])
+JOB_GOODPUT = Gauge("sftjob_operator_job_goodput_ratio", "A job's training time over its wall time since creation.",
+                    ["namespace", "name"])
+_JOB_GAUGES = {"percent": JOB_PERCENT, "estimated_remaining_seconds": JOB_ETA, "goodput": JOB_GOODPUT}
 
 
 class PhaseBook:
@@ -21,13 +29,23 @@ class PhaseBook:
         for p in PHASES:
             JOBS.labels(phase=p).set(0)
 
-    def set(self, key: tuple[str, str], phase: str | None) -> None:
+    def set(self, key: tuple[str, str], phase: str | None, progress: object | None = None) -> None:
+        """The job's phase (None: it is gone), and the per-job progress gauges when given."""
         if phase is None:
             self._phase.pop(key, None)
+            for gauge in _JOB_GAUGES.values():
+                try:
+                    gauge.remove(*key)
+                except KeyError:
+                    pass
         else:
             self._phase[key] = phase
         for p in PHASES:
             JOBS.labels(phase=p).set(sum(1 for v in self._phase.values() if v == p))
+        for field, gauge in _JOB_GAUGES.items():
+            value = getattr(progress, field, None) if phase is not None else None
+            if value is not None:
+                gauge.labels(*key).set(value)
 
 
 def serve(port: int) -> None:

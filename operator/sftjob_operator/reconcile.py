@@ -25,7 +25,7 @@ from typing import Any
 
 from sftjob_contract import layout
 
-from . import builders, deadlines, failure_policy as fp
+from . import builders, deadlines, eta, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
 from . import queueing, stale, success, suspend, ttl
@@ -276,7 +276,7 @@ class _Pass:
             uri = builders.model_uri(self.job, self.spec)
             self.st.output.uri = uri
             self.st.completion_time = iso(self.now)
-            self.st.progress = success.final_progress(self.st.progress)
+            self.st.progress = eta.finished(success.final_progress(self.st.progress))
             self.set_phase("Succeeded", c.REASON_SUCCEEDED, f"model exported to {uri}")
             self.event("Normal", c.REASON_SUCCEEDED, f"every rank exited 0; model exported to {uri}")
             self.cleanup_finished()
@@ -297,7 +297,8 @@ class _Pass:
                 self.event("Normal", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
             self.st.start_time = self.st.start_time or iso(self.now)
             if self.metrics:
-                self.st.progress = prog.merge(self.st.progress, self.metrics, iso(self.now))
+                self.st.progress = eta.update(self.st.progress, prog.merge(self.st.progress, self.metrics, iso(
+                    self.now)), self.st.attempt, self.now, parse_time(self.meta.get("creationTimestamp")))
             self.requeue(PROGRESS_INTERVAL_S)
             self.watchdog(current)
 
@@ -389,10 +390,8 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None 
          node_ready: dict[str, fp.NodeReadiness] | None = None, metrics: dict[str, float] | None = None,
          rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
          observing_since: datetime | None = None) -> Plan:
-    """Decide what to do for one SFTJob given its pods (see module docstring).
-
-    `node_ready`: the Ready condition of the nodes of pending and running pods.
-    `rejection`: the API server refused to create a pod of the current attempt.
+    """Decide what to do for one SFTJob given its pods (see module docstring). `node_ready`:
+    the Ready condition of the nodes of pending and running pods. `rejection`: the API server refused to create a pod of the current attempt.
     `node_leases`: the heartbeats of the nodes of running pods, read when a rank has failed
     (failure_policy.settle_generic_failure). `observing_since`: when this operator process
     began watching (deadlines.progress_left)."""

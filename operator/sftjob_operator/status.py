@@ -88,6 +88,19 @@ class Progress(StatusModel):
     tokens_per_second: float | None = Field(default=None, description="Latest training throughput (all ranks).")
     last_checkpoint_step: int | None = Field(default=None, description="Step of the newest committed checkpoint.")
     summary: str | None = Field(default=None, description="step/totalSteps, as shown by kubectl get.")
+    percent: float | None = Field(default=None, description="Percent of the run's steps done.")
+    seconds_per_step: float | None = Field(
+        default=None, description="Measured pace: a running average over readings in which the step advanced "
+        "(restart gaps left out).")
+    estimated_remaining_seconds: int | None = Field(
+        default=None, description="Estimated time to the last step: steps left times secondsPerStep (future "
+        "restarts not predicted).")
+    training_seconds: float | None = Field(
+        default=None, description="Wall time in which the step advanced, over all attempts.")
+    steps_lost: int | None = Field(default=None, description="Steps trained and then lost to restarts (redone).")
+    goodput: float | None = Field(
+        default=None, description="trainingSeconds over the wall time since the job was created (0 to 1).")
+    reading_attempt: int | None = Field(default=None, description="The attempt whose pods gave the last reading.")
     last_step_time: str | None = Field(default=None, description="When step last advanced (RFC 3339).")
     updated_time: str | None = Field(default=None, description="When these values were last read (RFC 3339).")
 
