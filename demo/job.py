@@ -89,6 +89,10 @@ def stage_job(ctx: Ctx) -> dict:
             f"restarts: {r.get('preemptions', 0)} preemption(s), {r.get('failures', 0)} failure(s)")
     if resume is None and pre:
         ctx.summary["resume_line"] = preemption.resumed_line(ctx, pre)
+    _say_eta(ctx)
+    prog_final = status(ctx.get_job()).get("progress") or {}
+    out.say(f"goodput {prog_final.get('goodput')} (training time over wall time since creation), "
+            f"{prog_final.get('stepsLost') or 0} step(s) lost to restarts")
     return job
 
 
@@ -127,12 +131,31 @@ def _watch(ctx: Ctx) -> tuple[dict, dict, dict | None, str | None]:
             resume = preemption.resumed_line(ctx, pre)
             if resume:
                 _say_resumed(ctx, pre, resume)
+        _note_eta(ctx, prog, resumed=resume is not None)
         if st.get("phase") in ("Succeeded", "Failed"):
             out.end_line()
             return job, st, pre, resume
         if time.time() > deadline:
             raise SystemExit(f"{a.job} did not finish within {a.timeout} s (phase {st.get('phase')})")
         time.sleep(1.0)
+
+
+def _note_eta(ctx: Ctx, prog: dict, resumed: bool) -> None:
+    """The operator's ETA when the job first showed 25 % done, and again right after the
+    resume: compared with the real remaining time once the job ends (stage_job)."""
+    key = "eta_after_resume" if resumed else "eta_at_25_percent"
+    if key in ctx.summary or (prog.get("percent") or 0) < 25 or prog.get("estimatedRemainingSeconds") is None:
+        return
+    ctx.summary[key] = {"at": time.time(), "percent": prog["percent"], "predicted_s": prog["estimatedRemainingSeconds"]}
+
+
+def _say_eta(ctx: Ctx) -> None:
+    for key, what in (("eta_at_25_percent", "before the preemption"), ("eta_after_resume", "after the resume")):
+        eta = ctx.summary.get(key)
+        if eta:
+            eta["actual_s"] = round(ctx.t_end - eta["at"], 1)
+            ctx.out.say(f"ETA at {eta['percent']} % ({what}): {eta['predicted_s']} s predicted, "
+                        f"{eta['actual_s']:.0f} s taken (status.progress.estimatedRemainingSeconds)")
 
 
 def _say_resumed(ctx: Ctx, pre: dict, resume: str) -> None:
