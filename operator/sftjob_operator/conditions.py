@@ -19,7 +19,8 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 RECONCILING = "Reconciling"
 STALLED = "Stalled"
-ALL_TYPES = (READY, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED, RECONCILING, STALLED)
+EDIT_PENDING = "EditPending"   # a spec edit waits for the gang's next start (edits.py)
+ALL_TYPES = (READY, RUNNING, RESTARTING, SUSPENDED, SUCCEEDED, FAILED, RECONCILING, STALLED, EDIT_PENDING)
 
 # Reasons.
 REASON_CREATED = "Created"
@@ -52,7 +53,9 @@ REASON_QUOTA_EXCEEDED = "QuotaExceeded"
 REASON_PROGRESS_DEADLINE = "ProgressDeadlineExceeded"
 REASON_TERMINATING = "WaitingForPodsToTerminate"
 REASON_FORCE_DELETED = "ForceDeletedPod"
-REASON_INVALID_STATUS = "InvalidStatus"              # Event only: this version cannot read the status
+REASON_INVALID_STATUS = "InvalidStatus"
+REASON_WAITS_FOR_RESTART = "WaitsForRestart"        # EditPending: the running gang has the older spec
+REASON_EDIT_APPLIED = "EditApplied"              # Event only: this version cannot read the status
 
 MAX_MESSAGE = 2000
 

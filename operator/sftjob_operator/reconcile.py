@@ -25,7 +25,7 @@ from typing import Any
 
 from sftjob_contract import layout
 
-from . import builders, deadlines, eta, failure_policy as fp
+from . import builders, deadlines, edits, eta, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
 from . import queueing, stale, success, suspend, ttl
@@ -124,7 +124,7 @@ class _Pass:
                 self.event("Warning", c.REASON_INVALID_SPEC, str(err))
             self.plan.invalid = str(err)
             return self.finish()
-        self.st.observed_generation = self.generation
+        edits.observe(self.st, self.spec, self.generation, iso(self.now))
         self.st.output.checkpoints_uri = f"{builders.output_dir(self.job, self.spec)}/{layout.CHECKPOINTS}"
 
         if self.st.phase in TERMINAL:
@@ -134,7 +134,7 @@ class _Pass:
             self.set_phase("Pending", c.REASON_CREATED, "waiting for the gang to be created")
         todo = suspend.step(self.st.phase, self.spec.suspend)
         if todo in (suspend.Step.SUSPEND, suspend.Step.SUSPENDED):
-            self.suspend(todo)
+            suspend.apply(self, todo, STALE_POLL_S)
             return self.finish()
         if todo is suspend.Step.RESUME:
             self.set_phase("Pending", c.REASON_RESUMED, "resuming from the newest checkpoint")
@@ -142,21 +142,6 @@ class _Pass:
             self.event("Normal", c.REASON_RESUMED, "resuming from the newest checkpoint")
         self.active()
         return self.finish()
-
-    def suspend(self, todo: suspend.Step) -> None:
-        if todo is suspend.Step.SUSPEND:
-            self.st.attempt += 1
-            self.st.start_time = None   # the active deadline starts again on resume (suspend.py)
-            self.st.restart_after = None
-            self.set_phase("Suspended", c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
-            self.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
-            if c.get_condition(self.st.conditions, queueing.ADMITTED):
-                self.set_admitted(False, c.REASON_SUSPENDED,
-                                  "suspended: the pods are deleted, which finishes the pod group's Workload "
-                                  "and releases its quota; resuming queues a new pod group")
-        self.stop(self.pods, finished_too=True)
-        if any(p["metadata"].get("deletionTimestamp") for p in self.pods):
-            self.requeue(STALE_POLL_S)
 
     def active(self) -> None:
         attempt = self.st.attempt
@@ -211,7 +196,10 @@ class _Pass:
             name = group[0][queueing.GROUP_LABEL]
             self.set_admitted(False, queueing.REASON_WAITING,
                               queueing.queued_message(queueing.queue_name(self.meta), name, []))
-        self.plan.launched_status = fields_patch(launched_attempt=attempt, launch_time=iso(self.now))
+        self.st.output.uri = builders.model_uri(self.job, self.spec)   # what this gang will write
+        self.plan.launched_status = fields_patch(launched_attempt=attempt, launch_time=iso(self.now),
+                                                 launched_generation=self.generation,
+                                                 launched_spec=edits.fingerprint(self.spec))
         self.requeue(STARTING_POLL_S)
 
     def rejected(self, rej: Rejection, current: dict[int, dict[str, Any]]) -> None:
@@ -273,7 +261,7 @@ class _Pass:
             self.fail(verdict.reason, f"{verdict.message} (a deterministic error: the trainer exited 2, and "
                       "retrying cannot help; fix the spec or the data and create the job again)")
         elif verdict.verdict is fp.Verdict.SUCCEEDED:
-            uri = builders.model_uri(self.job, self.spec)
+            uri = self.st.output.uri or builders.model_uri(self.job, self.spec)   # the gang's, set at launch
             self.st.output.uri = uri
             self.st.completion_time = iso(self.now)
             self.st.progress = eta.finished(success.final_progress(self.st.progress))

@@ -108,7 +108,8 @@ class Progress(StatusModel):
 class OutputStatus(StatusModel):
     """Where the results are."""
 
-    uri: str | None = Field(default=None, description="The exported Hugging Face model (set when the job succeeds).")
+    uri: str | None = Field(default=None, description="The Hugging Face model the current gang exports (set at its "
+                            "launch from the spec it runs; written once the job succeeds).")
     checkpoints_uri: str | None = Field(default=None, description="Where the job's checkpoints are written.")
 
 
@@ -130,6 +131,11 @@ class SFTJobStatus(StatusModel):
     )
     launched_attempt: int | None = Field(default=None, description="The attempt whose pods were all created.")
     launch_time: str | None = Field(default=None, description="When the current attempt's pods were created.")
+    launched_generation: int | None = Field(
+        default=None, description="The metadata.generation the current attempt's pods were built from.")
+    launched_spec: dict[str, str] | None = Field(
+        default=None, description="A digest of each restart-applied spec section the current attempt was built from "
+        "(edits.py): an edit since then waits for the next gang (condition EditPending).")
     restart_after: str | None = Field(default=None, description="Earliest time of the next gang start (back-off).")
     message: str | None = Field(default=None, description="Why the job is in its phase.")
 

@@ -16,6 +16,10 @@ Policy:
 from __future__ import annotations
 
 import enum
+from typing import Any
+
+from . import conditions as c
+from . import queueing
 
 
 class Step(enum.Enum):
@@ -30,3 +34,22 @@ def step(phase: str | None, suspend: bool) -> Step:
     if suspend:
         return Step.SUSPENDED if phase == "Suspended" else Step.SUSPEND
     return Step.RESUME if phase == "Suspended" else Step.NONE
+
+
+def apply(p: Any, todo: Step, poll_s: float) -> None:
+    """Carry out SUSPEND or SUSPENDED on a reconcile pass `p` (reconcile._Pass): the policy
+    above, applied where it is stated."""
+    if todo is Step.SUSPEND:
+        p.st.attempt += 1
+        p.st.start_time = None   # the active deadline starts again on resume
+        p.st.restart_after = None
+        p.set_phase("Suspended", c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
+        p.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
+        if c.get_condition(p.st.conditions, queueing.ADMITTED):
+            p.set_admitted(False, c.REASON_SUSPENDED,
+                           "suspended: the pods are deleted, which finishes the pod group's Workload "
+                           "and releases its quota; resuming queues a new pod group")
+    p.stop(p.pods, finished_too=True)
+    if any(pod["metadata"].get("deletionTimestamp") for pod in p.pods):
+        p.requeue(poll_s)
+

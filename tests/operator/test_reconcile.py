@@ -12,7 +12,10 @@ def test_new_job_launches_gang_once():
     plan = reconcile.plan(body, [], at(0))
     assert plan.status["phase"] == "Pending"
     assert [p["metadata"]["name"] for p in plan.launch] == ["tiny-node-0", "tiny-node-1"]
-    assert plan.launched_status == {"launchedAttempt": 0, "launchTime": "2026-01-01T12:00:00Z"}
+    launched = dict(plan.launched_status)
+    assert set(launched.pop("launchedSpec")) == {"resources", "checkpoint", "output",
+                                                 "runPolicy.terminationGracePeriodSeconds"}
+    assert launched == {"launchedAttempt": 0, "launchTime": "2026-01-01T12:00:00Z", "launchedGeneration": 1}
     assert cond(plan.status, "Ready")["status"] == "False"
     assert cond(plan.status, "Reconciling")["status"] == "True"
     # Pods pending: nothing more to do.
