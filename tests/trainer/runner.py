@@ -123,3 +123,42 @@ def run_and_sigterm(args: list[str], out: Path, after_steps: int, nproc: int = 1
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=timeout)
     return Result(proc.returncode, output, Path(out))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(args: list[str], out: Path, node_env: list[dict], nproc_per_node: int = 1,
+              timeout: float = 600) -> list[Result]:
+    """One job over ``len(node_env)`` simulated nodes: a launcher per node (as a pod runs it),
+    each with its own environment (its own SFTJOB_LOCAL_DIR and SFTJOB_MODEL_CACHE: another
+    node's disk), meeting at a rendezvous on this machine. One Result per node, in node order."""
+    import tempfile
+
+    port = free_port()
+    logs = [tempfile.TemporaryFile("w+") for _ in node_env]  # pipes read one by one could fill and stall a node
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "sftjob_trainer.launch", f"--nnodes={len(node_env)}", f"--node-rank={i}",
+         f"--nproc-per-node={nproc_per_node}", "--master-addr=127.0.0.1", f"--master-port={port}", "--", *args],
+        stdout=logs[i], stderr=subprocess.STDOUT, text=True, env=env(extra))
+        for i, extra in enumerate(node_env)]
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.time()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+                p.wait()
+    results = []
+    for p, log in zip(procs, logs):
+        log.seek(0)
+        results.append(Result(p.returncode, log.read(), Path(out)))
+        log.close()
+    return results

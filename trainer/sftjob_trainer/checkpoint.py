@@ -31,12 +31,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sftjob_contract.layout import (CHECKPOINTS, COMMITTED, LATEST, MANIFEST, RANK_REPORTS, TRAINER_STATE,
                                     checkpoint_dir, parse_step_dir)
 from .errors import TrainerError
+from .nodecopy import LocalFiles
 from .storage import Store, UploadError, atomic_write
 
 log = logging.getLogger(__name__)
@@ -153,15 +155,40 @@ def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stage
     return _plain_errors(written, d)
 
 
-def load_dir(d: Path, model, optimizer) -> TrainerState:
-    """Collective: load a complete checkpoint directory into model and optimizer (resharding)."""
-    state = TrainerState(**json.loads((d / TRAINER_STATE).read_text()))
+class NodeLocalReader(FileSystemReader):
+    """DCP's file reader over ``files`` (a ``nodecopy.LocalFiles``): before DCP reads the
+    metadata or this rank's chunks, it asks for exactly those, so a remote checkpoint is
+    never fetched whole: the metadata says which file and byte range holds each chunk, and
+    the load plan which chunks this rank loads (after resharding, when the world changed)."""
+
+    def __init__(self, files: LocalFiles):
+        super().__init__(files.dir)
+        self.files = files
+
+    def read_metadata(self, *args, **kwargs):
+        self.files.fetch([Path(self._get_metadata_path(kwargs.get("rank"))).name])
+        return super().read_metadata(*args, **kwargs)
+
+    def read_data(self, plan, planner):
+        ranges: dict[str, list[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+        self.files.fetch_ranges(ranges)
+        return super().read_data(plan, planner)
+
+
+def load_dir(files: LocalFiles, model, optimizer) -> TrainerState:
+    """Collective: load a complete checkpoint (``Store.read_dir``) into model and optimizer
+    (resharding), reading only what this rank needs of it."""
+    files.fetch([TRAINER_STATE])
+    state = TrainerState(**json.loads((files.dir / TRAINER_STATE).read_text()))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     target = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(target, checkpoint_id=str(d))
+        dcp.load(target, storage_reader=NodeLocalReader(files))
     except CheckpointException as e:
-        raise io_error("reading checkpoint", d, e) from None
+        raise io_error("reading checkpoint", files.dir, e) from None
     set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
                    options=_options(strict=False))
     return state

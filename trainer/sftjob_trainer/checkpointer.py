@@ -124,8 +124,8 @@ class Checkpointer:
         return dist_utils.broadcast_object(ckpt.find_resumable(self.store) if self.rank == 0 else None)
 
     def load(self, step: int, model, optimizer) -> ckpt.TrainerState:
-        with self.store.read_dir(checkpoint_dir(step), self.attempt) as d:
-            state = ckpt.load_dir(d, model, optimizer)
+        with self.store.read_dir(checkpoint_dir(step), self.attempt) as files:
+            state = ckpt.load_dir(files, model, optimizer)
             dist_utils.barrier()  # every local rank has read the node's copy
         return state
 

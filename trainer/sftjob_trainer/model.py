@@ -38,6 +38,7 @@ from .attention import pick_attention, register_attention
 from .dist import World
 from .errors import InvalidConfig
 from .loss import install_loss_head
+from .modelcache import with_weights
 from .precision import WidenedBf16Linear, fsdp_mixed_precision
 from .unwrap import output_head, unwrap
 
@@ -83,7 +84,8 @@ def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights:
             except Exception as err:  # noqa: BLE001 - some remote code computes real values at init
                 log.warning("cannot build %s on the meta device (%s); reading the weights on this rank too",
                             type(config).__name__, err)
-                return load_model(cfg, local_path, device, weights=True, precision=precision)
+                # This node's cache may hold no weights (only rank 0 was to read them): fetch them now.
+                return load_model(cfg, with_weights(local_path), device, weights=True, precision=precision)
     except (OSError, ValueError) as err:
         raise InvalidConfig(f"model.path {cfg.path}: cannot load a causal LM ({err})") from None
     # KV caching is for generation only; training never uses it.

@@ -14,7 +14,7 @@ import os
 import posixpath
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
@@ -23,8 +23,13 @@ from sftjob_contract import env as E
 
 from . import s3errors
 from .errors import InvalidConfig
+from .nodecopy import NodeCopy
 
 log = logging.getLogger(__name__)
+# What each download cost, on every rank: the others log only warnings (cli.setup_logging), but
+# what a node fetched (model, checkpoint ranges) is the node's own, and sizes its scratch disk.
+downloads = logging.getLogger("sftjob_trainer.downloads")
+downloads.setLevel(logging.INFO)
 
 STORAGE_FIELD = "spec.storage.uri"
 
@@ -112,11 +117,11 @@ class S3Prefix:
         self.upload_file(staged, rel, deadline)
 
     @contextlib.contextmanager
-    def read_dir(self, rel: str, key: str) -> Iterator[Path]:
+    def read_dir(self, rel: str, key: str) -> Iterator[NodeCopy]:
         # Keyed (by the run's attempt), so a copy left on the node by an earlier run is never reused.
-        dest = fetch_once(f"{self.uri}/{rel}", self.scratch / "restore" / key / rel, self.field)
+        # Nothing is fetched yet: each rank asks for what it reads (nodecopy.py).
         try:
-            yield dest
+            yield NodeCopy(self, rel, self.scratch / "restore" / key / rel)
         finally:
             shutil.rmtree(self.scratch / "restore" / key, ignore_errors=True)
 
@@ -218,13 +223,20 @@ class S3Prefix:
 
     def download_dir(self, rel: str, dest: Path) -> None:
         """Every object under ``rel/`` into ``dest``, and nothing outside it."""
-        where = f"{self.uri}/{rel}".rstrip("/")
         # A key ending in "/" is a folder marker some tools create: nothing to download.
-        objects = [name for name in self.list(rel) if name and not name.endswith("/")]
+        objects = {name: size for name, size in self.list(rel).items() if name and not name.endswith("/")}
         if not objects:
-            raise EmptyPrefix(f"nothing under {where}")
+            raise EmptyPrefix(f"nothing under {self.uri}/{rel}".rstrip("/"))
+        self.download_files(rel, objects, dest)
+
+    def download_files(self, rel: str, sizes: dict[str, int], dest: Path) -> tuple[int, int]:
+        """Objects ``rel/<name>`` (``sizes``: name -> size) into ``dest/<name>``, in parallel,
+        each written under a temporary name and renamed (boto3), so a file that is there is
+        whole: one already there with the size listed is not downloaded again. Returns (bytes, files)
+        downloaded, and logs them (what a node pays for a restart)."""
+        where = f"{self.uri}/{rel}".rstrip("/")
         targets = {}
-        for name in sorted(objects):
+        for name in sorted(sizes):
             try:
                 targets[name] = confined(dest, name)
             except ValueError:
@@ -232,16 +244,64 @@ class S3Prefix:
                     f"{self.field} {where}: object {name!r} would be written outside the download directory "
                     "(its key starts with '/' or holds '..'); nothing was downloaded. Rename or remove that object"
                 ) from None
+        todo = [n for n, t in targets.items() if not (t.is_file() and t.stat().st_size == sizes[n])]
         dest.mkdir(parents=True, exist_ok=True)
 
         def fetch(name: str) -> None:
             target = targets[name]
             target.parent.mkdir(parents=True, exist_ok=True)
+            # boto3 writes to a temporary name and renames it when the download is whole.
             self._retry(f"download {where}/{name}",
-                        lambda: self.client.download_file(self.bucket, self.key(posixpath.join(rel, name)), str(target)))
+                        lambda: self.client.download_file(self.bucket, self.key(posixpath.join(rel, name)),
+                                                          str(target), Config=self.transfer))
 
+        t0 = time.monotonic()
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            list(pool.map(fetch, sorted(targets)))
+            list(pool.map(fetch, todo))
+        total = sum(sizes[n] for n in todo)
+        if todo:
+            downloads.info("downloaded %d bytes in %d files from %s to %s (%.1fs)", total, len(todo), where, dest,
+                     time.monotonic() - t0)
+        return total, len(todo)
+
+    def download_ranges(self, rel: str, name: str, ranges: list[tuple[int, int]], target: Path) -> int:
+        """The byte ranges [start, end) of object ``rel/name``, written at the same offsets of
+        ``target`` (created sparse: what no range covers stays a hole). Returns the bytes read."""
+        where = f"{self.uri}/{rel}/{name}"
+        key = self.key(posixpath.join(rel, name))
+        try:
+            target = confined(target.parent, target.name)
+        except ValueError:
+            raise InvalidConfig(f"{self.field} {where}: a checkpoint file name must not leave its directory") from None
+        # Parts of at most one multipart chunk, read in parallel, as a whole-file download would be.
+        step = self.transfer.multipart_chunksize
+        parts = [(a, min(a + step, end)) for start, end in ranges for a in range(start, end, step)]
+        fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+
+        def get(part: tuple[int, int]) -> None:
+            start, end = part
+
+            def once() -> None:
+                body = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"]
+                pos = start
+                for chunk in body.iter_chunks(8 << 20):
+                    os.pwrite(fd, chunk, pos)
+                    pos += len(chunk)
+                if pos != end:  # the connection ended early: a retry reads the range again
+                    raise ConnectionError(f"short read: {pos - start} of {end - start} bytes")
+
+            self._retry(f"download {where} bytes {start}-{end - 1}", once)
+
+        t0 = time.monotonic()
+        try:
+            with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                list(pool.map(get, parts))
+        finally:
+            os.close(fd)
+        total = sum(b - a for a, b in ranges)
+        downloads.info("downloaded %d bytes in %d ranges from %s to %s (%.1fs)", total, len(ranges), where, target,
+                 time.monotonic() - t0)
+        return total
 
     def delete_dir(self, rel: str) -> None:
         keys = [self.key(f"{rel}/{name}") for name in self.list(rel)]
@@ -250,20 +310,29 @@ class S3Prefix:
             self._retry(f"delete {self.uri}/{rel}", lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete=b))
 
 
-def fetch_once(uri: str, dest: Path, field: str = STORAGE_FIELD) -> Path:
+COMPLETE = ".sftjob-complete"
+
+
+def fetch_once(uri: str, dest: Path, field: str = STORAGE_FIELD, select: Callable[[str], bool] | None = None,
+               marker: str = COMPLETE) -> Path:
     """Download an s3:// prefix to ``dest`` once per node, whatever the number of local ranks.
 
     The first process to take the lock downloads; the others find the completion marker.
+    ``select``: only the objects whose names it accepts, with a ``marker`` of their own; a
+    later call for more (another ``select``, or all) downloads only what is not there yet.
     ``field``: the spec field ``uri`` came from, named by the errors.
     """
-    done = dest / ".sftjob-complete"
-    if done.exists():
+    if (dest / COMPLETE).exists() or (dest / marker).exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(str(dest) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not done.exists():
-            log.info("downloading %s to %s", uri, dest)
-            S3Prefix(uri, field=field).download_dir("", dest)
-            done.write_text(uri + "\n")
+        if not ((dest / COMPLETE).exists() or (dest / marker).exists()):
+            store = S3Prefix(uri, field=field)
+            # A key ending in "/" is a folder marker some tools create: nothing to download.
+            objects = {n: s for n, s in store.list("").items() if n and not n.endswith("/")}
+            if not objects:
+                raise EmptyPrefix(f"nothing under {store.uri}")
+            store.download_files("", {n: s for n, s in objects.items() if select is None or select(n)}, dest)
+            (dest / marker).write_text(uri + "\n")
     return dest

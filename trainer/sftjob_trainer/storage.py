@@ -19,6 +19,7 @@ from typing import ContextManager, Protocol
 
 # The S3 side lives in its own modules (one job each); these names are the storage API.
 from .modelcache import local_model_path
+from .nodecopy import InPlace, LocalFiles
 from .s3store import S3Prefix, UploadError, fetch_once, is_s3, local_root, split_s3
 
 __all__ = ["LocalDir", "S3Prefix", "Store", "UploadError", "atomic_write", "fetch_once", "fresh_dir", "is_s3",
@@ -66,9 +67,10 @@ class Store(Protocol):
         """A conditional write: only if the object is still at ``tag`` (None: only if it
         does not exist); False when it is not. What fencing (fence.py) stands on."""
 
-    def read_dir(self, rel: str, key: str) -> ContextManager[Path]:
-        """A local directory holding ``rel/`` while the context lasts (one copy per node and
-        ``key``; no copy at all for a local store)."""
+    def read_dir(self, rel: str, key: str) -> ContextManager[LocalFiles]:
+        """``rel/``'s files on local disk while the context lasts, each fetched when asked for
+        (one copy per node and ``key``, holding what the node's ranks asked for; no copy at
+        all for a local store)."""
 
 
 def open_store(uri: str, deadline_s: float = 600.0) -> Store:
@@ -174,5 +176,5 @@ class LocalDir:
             return True
 
     @contextlib.contextmanager
-    def read_dir(self, rel: str, key: str) -> Iterator[Path]:  # noqa: ARG002
-        yield self.root / rel
+    def read_dir(self, rel: str, key: str) -> Iterator[LocalFiles]:  # noqa: ARG002
+        yield InPlace(self.root / rel)

@@ -70,7 +70,7 @@ class Trainer:
                                     cfg.trainer.upload_timeout_s, cfg.trainer.max_failed_commits)
         # Storage failures arrive classified (s3errors): retried then StorageUnavailable (exit 1), or
         # StorageDenied / InvalidConfig naming spec.model.path (exit 2).
-        self.model_path = model_path = local_model_path(cfg.model.path)
+        self.model_path = model_path = local_model_path(cfg.model.path, weights=world.rank == 0)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError) as err:
