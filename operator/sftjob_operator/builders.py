@@ -86,6 +86,10 @@ def config_map_name(job: JobRef) -> str:
     return f"{job.name}-config"
 
 
+def network_policy_name(job: JobRef) -> str:
+    return f"{job.name}-ranks"
+
+
 def pod_name(job: JobRef, rank: int) -> str:
     return f"{job.name}-node-{rank}"
 
@@ -194,6 +198,24 @@ def build_service(job: JobRef, master_port: int = MASTER_PORT) -> dict[str, Any]
 
 def config_text(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRICS_PORT) -> str:
     return yaml.safe_dump(trainer_config(job, spec, metrics_port), sort_keys=False)
+
+
+def build_network_policy(job: JobRef, metrics_from: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ingress to the job's pods: anything from the job's own pods (the rendezvous port, an
+    unauthenticated TCPStore whose collectives unpickle objects, and the ports the process
+    group opens between ranks), and the metrics port from `metrics_from` only (the operator,
+    the monitoring namespace). Nothing else reaches a training pod."""
+    own = {"podSelector": {"matchLabels": {LABEL_JOB: job.name}}}
+    ingress: list[dict[str, Any]] = [{"from": [own]}]
+    if metrics_from:
+        ingress.append({"from": metrics_from, "ports": [{"port": METRICS_PORT, "protocol": "TCP"}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, network_policy_name(job)),
+        "spec": {"podSelector": {"matchLabels": {LABEL_JOB: job.name}}, "policyTypes": ["Ingress"],
+                 "ingress": ingress},
+    }
 
 
 def build_config_map(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRICS_PORT) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""The job's other children, its headless Service and its ConfigMap: created once per
-launch, and trusted only when they carry this job's ownerReference.
+"""The job's other children, its headless Service, its ConfigMap and (with the operator's
+--job-network-policy) its NetworkPolicy: created once per launch, and trusted only when
+they carry this job's ownerReference.
 
 A 409 on create used to be taken as "already ours": a user's ConfigMap of the same name was
 overwritten, and an existing ClusterIP Service meant no per-rank DNS names, a 300 s wait in
@@ -9,6 +10,8 @@ job Pending; it now fails or waits exactly as a refused pod does (rejections.py)
 """
 from __future__ import annotations
 
+from typing import Any
+
 from kubernetes.client.exceptions import ApiException
 
 from . import api, builders, metrics, rejections
@@ -16,12 +19,16 @@ from .kube import Kube
 from .rejections import Rejection
 
 
-async def ensure(kube: Kube, job: builders.JobRef, spec: api.SFTJobSpec) -> tuple[Rejection | None, bool]:
+async def ensure(kube: Kube, job: builders.JobRef, spec: api.SFTJobSpec,
+                 network_policy: dict[str, Any] | None = None) -> tuple[Rejection | None, bool]:
     """Create the job's headless Service and ConfigMap, or check that the existing ones are
     this job's: (the refusal that fails or holds the job, whether to wait and look again).
     A name held by anyone else is never taken over (a user's ConfigMap was overwritten, a
     ClusterIP Service meant no DNS for the ranks)."""
-    for manifest in (builders.build_service(job), builders.build_config_map(job, spec)):
+    wanted = [builders.build_service(job), builders.build_config_map(job, spec)]
+    if network_policy is not None:   # before any pod exists, so no rank is ever reachable without it
+        wanted.append(network_policy)
+    for manifest in wanted:
         try:
             if await kube.create(manifest):
                 continue

@@ -17,6 +17,7 @@ renew the Lease within --leader-election-renew-deadline exits with status 75
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -55,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="standby poll and leader renew interval; default 2")
     p.add_argument("--watch-timeout", type=int, default=300,
                    help="server-side watch timeout in seconds, so watches never silently stall")
+    p.add_argument("--job-network-policy", action=argparse.BooleanOptionalAction, default=False,
+                   help="give every job a NetworkPolicy: only its own pods reach its ranks, and only "
+                        "--trainer-metrics-from peers its metrics port (the chart turns this on)")
+    p.add_argument("--trainer-metrics-from", metavar="JSON", default="[]",
+                   help="NetworkPolicy `from` peers (a JSON list) allowed to the trainers' metrics port: "
+                        "the operator's own pods and your monitoring namespace")
     p.add_argument("--log-format", choices=("plain", "json"), default="plain")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--print-crd", action="store_true", help="print the CRD YAML and exit")
@@ -79,10 +86,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                                  lease_duration=args.leader_election_lease_duration,
                                  renew_deadline=args.leader_election_renew_deadline,
                                  retry_period=args.leader_election_retry_period)
+    try:
+        peers = json.loads(args.trainer_metrics_from)
+    except ValueError as err:
+        raise ValueError(f"--trainer-metrics-from is not JSON: {err}") from None
+    if not isinstance(peers, list) or not all(isinstance(x, dict) for x in peers):
+        raise ValueError("--trainer-metrics-from must be a JSON list of NetworkPolicy peers (objects)")
     return Settings(namespaces=tuple(args.namespace) or None, watch_server_timeout=args.watch_timeout,
                     peering_name=args.peering, identity=identity, metrics_port=args.metrics_port,
                     liveness_port=args.liveness_port, leader_election=election, log_format=args.log_format,
-                    verbose=args.verbose)
+                    verbose=args.verbose, job_network_policy=args.job_network_policy,
+                    trainer_metrics_from=tuple(peers))
 
 
 def main(argv: list[str] | None = None) -> int:

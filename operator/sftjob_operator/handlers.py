@@ -60,6 +60,7 @@ class Runtime:
     # When this process began watching (kopf starts it only after the leader lease is won):
     # the progress watchdog counts no time before it (deadlines.progress_left).
     observing_since: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    settings: Settings = field(default_factory=Settings)
 
     def enqueue(self, key: Key, after: float = 0.0, urgent: bool = False) -> None:
         """Reconcile `key` in `after` seconds. Urgent ones (a pod changed, progress moved)
@@ -114,7 +115,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.posting.level = logging.WARNING
     asyncio.get_running_loop().set_default_executor(
         concurrent.futures.ThreadPoolExecutor(max_workers=API_THREADS, thread_name_prefix="k8s-api"))
-    rt = Runtime(kube=Kube(), namespaces=list(ours.namespaces) if ours.namespaces else None)
+    rt = Runtime(kube=Kube(), namespaces=list(ours.namespaces) if ours.namespaces else None, settings=ours)
     rt.session = aiohttp.ClientSession()
     # Progress is read in the background: a reconcile never waits on a trainer's endpoint,
     # so one unreachable pod cannot delay another job's reconcile.
@@ -333,7 +334,9 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan,
     if plan.launch:
         job = builders.JobRef.from_body(body)
         spec = builders.parse_spec(body["spec"])
-        refused, wait = await children.ensure(rt.kube, job, spec)
+        policy = (builders.build_network_policy(job, list(rt.settings.trainer_metrics_from))
+                  if rt.settings.job_network_policy else None)
+        refused, wait = await children.ensure(rt.kube, job, spec, policy)
         if refused is not None:
             log.warning("%s/%s: %s", namespace, name, refused.message)
             return refused

@@ -55,6 +55,7 @@ class Kube:
         self.core = kubernetes.client.CoreV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)
         self.coordination = kubernetes.client.CoordinationV1Api(client)
+        self.networking = kubernetes.client.NetworkingV1Api(client)
         self._nodes: dict[str, tuple[float, NodeReadiness | None]] = {}
         self._nodes_forbidden = False
         self._leases_forbidden = False
@@ -118,10 +119,11 @@ class Kube:
         return res["items"]
 
     async def create(self, manifest: dict[str, Any]) -> bool:
-        """Create a Pod, Service or ConfigMap; False when it already exists."""
+        """Create a Pod, Service, ConfigMap or NetworkPolicy; False when it already exists."""
         ns = manifest["metadata"]["namespace"]
         fn = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
-              "ConfigMap": self.core.create_namespaced_config_map}[manifest["kind"]]
+              "ConfigMap": self.core.create_namespaced_config_map,
+              "NetworkPolicy": self.networking.create_namespaced_network_policy}[manifest["kind"]]
         try:
             await _run(fn, ns, manifest)
             return True
@@ -131,10 +133,11 @@ class Kube:
             raise
 
     async def read(self, manifest: dict[str, Any]) -> dict[str, Any] | None:
-        """The stored Service or ConfigMap of `manifest`'s name; None when there is none."""
+        """The stored Service, ConfigMap or NetworkPolicy of `manifest`'s name; None: absent."""
         meta = manifest["metadata"]
         fn = {"Service": self.core.read_namespaced_service,
-              "ConfigMap": self.core.read_namespaced_config_map}[manifest["kind"]]
+              "ConfigMap": self.core.read_namespaced_config_map,
+              "NetworkPolicy": self.networking.read_namespaced_network_policy}[manifest["kind"]]
         try:
             found = await self._call(fn, meta["name"], meta["namespace"])
         except ApiException as err:

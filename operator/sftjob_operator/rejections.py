@@ -139,7 +139,8 @@ def from_api_error(status: int, body: Any, pod: dict[str, Any], spec: api.SFTJob
 
 # What each child is built from, for a message that says what to change.
 _CHILD_ROLE = {"Service": "the headless Service that gives the ranks their DNS names",
-               "ConfigMap": "the trainer configuration, built from spec.model, spec.data and spec.training"}
+               "ConfigMap": "the trainer configuration, built from spec.model, spec.data and spec.training",
+               "NetworkPolicy": "the policy that lets only the job's own pods reach its ranks"}
 
 
 def from_child_error(status: int, body: Any, manifest: dict[str, Any]) -> Rejection:

@@ -8,7 +8,7 @@ than fall back to defaults, so there is one way in.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from .leader import Config as LeaderConfig
@@ -32,6 +32,11 @@ class Settings:
     """Port of GET /healthz; 0: no liveness endpoint."""
     leader_election: LeaderConfig | None = None
     """The Lease to hold before acting; None: act at once (a single replica)."""
+    job_network_policy: bool = False
+    """Give every job a NetworkPolicy (builders.build_network_policy): ranks reach each other,
+    `trainer_metrics_from` reaches the metrics port, nothing else reaches a training pod."""
+    trainer_metrics_from: tuple[dict[str, Any], ...] = ()
+    """NetworkPolicy peers allowed to the trainers' metrics port (the operator, monitoring)."""
     log_format: Literal["plain", "json"] = "plain"
     verbose: bool = False
 

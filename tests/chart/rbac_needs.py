@@ -111,6 +111,8 @@ def _dry_run_create(kind: str) -> Probe:
             fn, body = core.create_namespaced_service, builders.build_service(ctx.ref)
         elif kind == "ConfigMap":
             fn, body = core.create_namespaced_config_map, builders.build_config_map(ctx.ref, ctx.spec)
+        elif kind == "NetworkPolicy":
+            fn, body = ctx.kube.networking.create_namespaced_network_policy, builders.build_network_policy(ctx.ref, [])
         else:  # the Event post_event writes
             fn, body = core.create_namespaced_event, {
                 "metadata": {"generateName": "rbac-probe.", "namespace": ns},
@@ -210,6 +212,12 @@ NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
                                 _read_child("ConfigMap")),
     ("", "configmaps", "patch"): ("children.ensure: refresh the config of an existing job",
                                   _patch_config_map),
+    ("networking.k8s.io", "networkpolicies", "create"): (
+        "children.ensure: the job's NetworkPolicy (builders.build_network_policy; jobNetworkPolicy.enabled)",
+        _dry_run_create("NetworkPolicy")),
+    ("networking.k8s.io", "networkpolicies", "get"): (
+        "children.ensure: an existing NetworkPolicy of the job's policy name must be the job's",
+        _read_child("NetworkPolicy")),
     ("", "events", "create"): ("kube.post_event (and kopf's warning events)", _dry_run_create("Event")),
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"): (
         "kopf resource observer: lists CRDs before watching them", _list_crds),

@@ -184,6 +184,13 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
         job = wait_for(lambda: (j := cluster.kube.get(path)).get("status", {}).get("phase") in ("Succeeded", "Failed")
                        and j, 900, interval=1, what="the example to finish")
         assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:] + op_log()[-3000:]
+        # jobNetworkPolicy (on by default): the job's ranks accept only each other, and the
+        # metrics port only this operator's pods.
+        policy = cluster.kube.get(f"/apis/networking.k8s.io/v1/namespaces/{jobs_ns}/networkpolicies/tiny-lora-ranks")
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
+        own, metrics_peers = policy["spec"]["ingress"]
+        assert own == {"from": [{"podSelector": {"matchLabels": {"sftjob.io/job-name": "tiny-lora"}}}]}
+        assert metrics_peers["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": system_ns}
     except AssertionError as err:
         raise AssertionError(f"{err}\noperator log:\n{op_log()[-4000:]}") from None
     # The chart's operator did the work with its in-cluster credentials: its metrics (scraped

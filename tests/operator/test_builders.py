@@ -148,3 +148,18 @@ def test_scratch_is_a_declared_volume_sized_and_requested():
     claim = vol["ephemeral"]["volumeClaimTemplate"]["spec"]
     assert claim["storageClassName"] == "local-nvme" and claim["resources"]["requests"]["storage"] == "500Gi"
     assert "ephemeral-storage" not in ps["containers"][0].get("resources", {}).get("requests", {})
+
+
+def test_the_job_network_policy_admits_only_its_own_ranks_and_the_metrics_peers():
+    job, _ = _job_and_spec()
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "sftjob-system"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "sftjob-operator"}}}
+    pol = builders.build_network_policy(job, [operator])
+    assert pol["metadata"]["name"] == "tiny-ranks" and pol["metadata"]["ownerReferences"][0]["uid"] == job.uid
+    assert pol["spec"]["podSelector"] == {"matchLabels": {builders.LABEL_JOB: "tiny"}}
+    assert pol["spec"]["policyTypes"] == ["Ingress"]
+    own, metrics = pol["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": {builders.LABEL_JOB: "tiny"}}}]}   # every port
+    assert metrics == {"from": [operator], "ports": [{"port": builders.METRICS_PORT, "protocol": "TCP"}]}
+    # Without peers for the metrics port, nobody but the ranks reaches the pods.
+    assert builders.build_network_policy(job, [])["spec"]["ingress"] == [own]

@@ -34,7 +34,9 @@ def _settings(*argv: str) -> Settings:
     (["-n", "team-a", "-n", "team-*", "--metrics-port", "0", "--log-format", "json", "-v"],
      {"namespaces": ("team-a", "team-*"), "metrics_port": 0, "log_format": "json", "verbose": True}),
     (["-A", "--watch-timeout", "60", "--peering", "p", "--leader-election-id", "me"],
-     {"watch_server_timeout": 60, "peering_name": "p", "identity": "me"}),
+     {"watch_server_timeout": 60, "peering_name": "p", "identity": "me", "job_network_policy": False}),
+    (["-A", "--job-network-policy", "--trainer-metrics-from", '[{"namespaceSelector": {}}]'],
+     {"job_network_policy": True, "trainer_metrics_from": ({"namespaceSelector": {}},)}),
 ])
 def test_settings_from_args(argv, expected, monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)   # not in a pod: no election by default
@@ -53,6 +55,8 @@ def test_one_identity_for_kopf_and_the_lease():
     ([], "choose a scope"),
     (["-A", "--leader-elect", "--leader-election-namespace", "x", "--leader-election-renew-deadline", "20"],
      "retry period < renew deadline < lease duration"),
+    (["-A", "--trainer-metrics-from", "{not json"], "--trainer-metrics-from is not JSON"),
+    (["-A", "--trainer-metrics-from", '{"a": 1}'], "a JSON list of NetworkPolicy peers"),
 ])
 def test_settings_that_cannot_run_are_refused(argv, error, monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)

@@ -77,6 +77,11 @@ each away and name the operator code path that breaks (tests/chart/rbac_needs.py
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- if .Values.jobNetworkPolicy.enabled }}
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create"]
+{{- end }}
 {{- end }}
 
 {{/* Cluster-scoped resources: needed in both install modes. */}}
@@ -115,4 +120,14 @@ object exists), so it is a rule of its own; reading and renewing are limited to 
 {{- else }}
 - --all-namespaces
 {{- end }}
+{{- end }}
+
+{{/*
+Who may reach the trainers' metrics port under each job's NetworkPolicy: this operator's
+pods (they read rank 0's progress) and the peers in jobNetworkPolicy.metricsFrom. JSON for
+the operator's --trainer-metrics-from.
+*/}}
+{{- define "sftjob-operator.trainerMetricsFrom" -}}
+{{- $self := dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" (include "sftjob-operator.selectorLabels" . | fromYaml)) -}}
+{{- prepend .Values.jobNetworkPolicy.metricsFrom $self | toJson -}}
 {{- end }}
