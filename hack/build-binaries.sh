@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the local cluster's binaries from the Go module proxy into a version-keyed cache.
 #
-#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok|coredns|kueue ...]   (default: all but kueue, in that order)
+#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok|coredns|kueue|health ...]
+#                                                 (default: all but kueue and health, in that order)
 #   hack/build-binaries.sh --print-dirs                     (print NAME=DIR per component)
 #
 # Each component lands in ${SFTJOB_CACHE:-$HOME/.cache/sftjob}/<name>-<version>/bin and is
@@ -31,8 +32,17 @@ dir_of() {
     kwok) echo "$CACHE/kwok-$KWOK_VERSION" ;;
     kueue) echo "$CACHE/kueue-$KUEUE_VERSION" ;;
     coredns) echo "$CACHE/coredns-$COREDNS_VERSION" ;;
+    health) echo "$CACHE/health-$(health_version)" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac
+}
+
+# The GitOps health harness (hack/tools/health) is this repository's own code: its cache is
+# keyed by a hash of its sources (its module versions are pinned in its go.mod), so an edit
+# builds a new one.
+HEALTH_SRC="$HERE/tools/health"
+health_version() {
+  (cd "$HEALTH_SRC" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
 }
 
 log() { printf '[build-binaries %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -46,6 +56,7 @@ binaries_of() {
   case "$1" in
     k8s) echo "${K8S_BINARIES[@]}" ;;
     coredns) echo coredns ;;
+    health) echo health ;;
   esac
 }
 
@@ -261,8 +272,18 @@ build_coredns() {
   build_tool coredns local/sftjob-cluster-tools/coredns
 }
 
+# The test harness for the Argo CD, kstatus and Flux health checks (integrations/); built only
+# by the tests that use it (tests/operator/health_kit.py).
+build_health() {
+  begin health || return 0
+  local d; d="$(dir_of health)"
+  (cd "$HEALTH_SRC" && go build -mod=readonly -p "$GO_P" -trimpath -ldflags "-s -w" -o "$d/bin.tmp/health" .)
+  rm -rf "$d/src"
+  finish health
+}
+
 if [[ "${1:-}" == "--print-dirs" ]]; then
-  for c in k8s etcd helm minio kwok coredns kueue; do echo "$c=$(dir_of "$c")"; done
+  for c in k8s etcd helm minio kwok coredns kueue health; do echo "$c=$(dir_of "$c")"; done
   exit 0
 fi
 
