@@ -82,3 +82,10 @@ def test_testdata_is_what_the_operator_writes_today():
     proc = subprocess.run([sys.executable, str(REPO / "hack" / "tools" / "health" / "record.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_argocd_cm_snippet_in_the_chart_docs_is_the_script():
+    text = (REPO / "charts" / "sftjob-operator" / "README.md").read_text()
+    block = text.split("resource.customizations.health.sftjob.io_SFTJob: |\n", 1)[1].split("```", 1)[0]
+    snippet = yaml.safe_load("k: |\n" + block)["k"]
+    assert snippet == (CHECK_DIR / "health.lua").read_text()
