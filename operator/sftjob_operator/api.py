@@ -223,6 +223,11 @@ class OutputSpec(SpecModel):
     )
 
 
+# runPolicy.cleanPodPolicy (Kubeflow's names): which pods go when the job finishes.
+CleanPodPolicy = Literal["All", "Running", "None"]
+CLEAN_RUNNING = "Running"
+
+
 class RunPolicy(SpecModel):
     """Restarts, deadlines and clean-up."""
 
@@ -259,8 +264,8 @@ class RunPolicy(SpecModel):
     ttl_seconds_after_finished: int | None = Field(
         default=None, ge=0, description="Delete the SFTJob (and its pods) this long after it succeeded or failed."
     )
-    clean_pod_policy: Literal["All", "Running", "None"] = Field(
-        default="Running",
+    clean_pod_policy: CleanPodPolicy = Field(
+        default=CLEAN_RUNNING,
         description="Pods to delete when the job finishes: All, Running (keep finished pods for their "
         "logs), or None. Running pods of a failed job are always stopped.",
     )

@@ -8,6 +8,7 @@ Stalled once the job has failed.
 """
 from __future__ import annotations
 
+from .phases import Phase
 from .status import Condition
 
 # Types.
@@ -80,14 +81,14 @@ def for_phase(conds: list[Condition], phase: str, reason: str, message: str, now
               generation: int | None) -> list[Condition]:
     """All condition types derived from one phase (each pass writes the full set)."""
     active = {
-        RUNNING: phase == "Running",
-        RESTARTING: phase == "Restarting",
-        SUSPENDED: phase == "Suspended",
-        SUCCEEDED: phase == "Succeeded",
-        FAILED: phase == "Failed",
-        RECONCILING: phase in ("Pending", "Restarting"),
-        STALLED: phase == "Failed",
-        READY: phase in ("Running", "Succeeded"),
+        RUNNING: phase == Phase.RUNNING,
+        RESTARTING: phase == Phase.RESTARTING,
+        SUSPENDED: phase == Phase.SUSPENDED,
+        SUCCEEDED: phase == Phase.SUCCEEDED,
+        FAILED: phase == Phase.FAILED,
+        RECONCILING: phase in (Phase.PENDING, Phase.RESTARTING),
+        STALLED: phase == Phase.FAILED,
+        READY: phase in (Phase.RUNNING, Phase.SUCCEEDED),
     }
     for ctype, on in active.items():
         # Every condition carries the phase's reason; the message goes on the true ones and

@@ -23,6 +23,7 @@ from typing import Any
 
 from . import api
 from . import conditions as c
+from .phases import TERMINAL, Phase
 from .status import SFTJobStatus
 
 NEVER, NOW, RESTART = "never", "now", "at the gang's next start"
@@ -72,7 +73,7 @@ def fingerprint(spec: api.SFTJobSpec) -> dict[str, str]:
 def waiting(st: SFTJobStatus, spec: api.SFTJobSpec) -> list[str]:
     """The field groups edited since the running gang was launched (it runs without them)."""
     launched = st.launched_spec
-    if not launched or st.phase in ("Succeeded", "Failed", "Suspended") or st.launched_attempt != st.attempt:
+    if not launched or st.phase in (*TERMINAL, Phase.SUSPENDED) or st.launched_attempt != st.attempt:
         return []
     now = fingerprint(spec)
     return [f"spec.{p}" for p in sorted(now) if p in launched and launched[p] != now[p]]

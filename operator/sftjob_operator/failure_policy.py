@@ -46,6 +46,7 @@ from sftjob_contract import exits
 
 from . import conditions as c
 from . import queueing
+from .phases import POD_FINISHED, PodPhase
 from .status import observed_time
 
 MAX_RESTART_BACKOFF_S = 300.0
@@ -130,12 +131,12 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
     (None: unknown, not held against the pod).
     """
     status = pod.get("status") or {}
-    phase = status.get("phase", "Pending")
+    phase = status.get("phase", PodPhase.PENDING)
     term = _terminated(pod)
     exit_code = term.get("exitCode") if term else None
     t_reason, t_message = parse_termination_message(term.get("message") if term else None)
 
-    if phase == "Succeeded" or (phase == "Failed" and exit_code == 0 and not pod["metadata"].get("deletionTimestamp")):
+    if phase == PodPhase.SUCCEEDED or (phase == PodPhase.FAILED and exit_code == 0 and not pod["metadata"].get("deletionTimestamp")):
         return PodOutcome(State.SUCCEEDED, exit_code=0)
     disruption = _condition(pod, "DisruptionTarget")
     if disruption and disruption.get("status") == "True":
@@ -150,7 +151,7 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
         return PodOutcome(State.PREEMPTED, c.REASON_POD_DELETED, "the pod was deleted", exit_code)
     if status.get("reason") in PREEMPTED_POD_REASONS:
         return PodOutcome(State.PREEMPTED, status["reason"], status.get("message", ""), exit_code)
-    if phase == "Failed":
+    if phase == PodPhase.FAILED:
         if t_reason == exits.REASON_PREEMPTED:
             return PodOutcome(State.PREEMPTED, c.REASON_PREEMPTED, t_message, exit_code)
         if t_reason in exits.PERMANENT_REASONS or exit_code == exits.PERMANENT:
@@ -178,7 +179,7 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
     if node_ready is False:
         return PodOutcome(State.PREEMPTED, c.REASON_NODE_NOT_READY,
                           f"node {pod.get('spec', {}).get('nodeName')} is not ready")
-    if phase == "Running":
+    if phase == PodPhase.RUNNING:
         return PodOutcome(State.RUNNING)
     if queueing.is_queued(pod):
         # Waiting for Kueue to admit the gang: not stuck, and not the pod's fault.
@@ -352,5 +353,5 @@ def pods_to_stop(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         p for p in pods
         if not p["metadata"].get("deletionTimestamp")
-        and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+        and (p.get("status") or {}).get("phase") not in POD_FINISHED
     ]

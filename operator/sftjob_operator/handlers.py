@@ -27,6 +27,7 @@ from sftjob_contract.metrics import METRICS_PATH
 from . import api, builders, children, metrics, progress, reconcile, rejections, status
 from . import conditions as c
 from .kube import Conflict, Kube
+from .phases import TERMINAL, PodPhase
 from .plan import Plan
 from .settings import Settings
 
@@ -220,16 +221,16 @@ def _nodes(pods: list[dict[str, Any]], *phases: str) -> set[str]:
 async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[str, Any]]):
     attempt = status.parse(body.get("status")).attempt
     gang = [p for p in pods if builders.pod_attempt(p) == attempt]
-    nodes = _nodes(pods, "Pending", "Running")
+    nodes = _nodes(pods, PodPhase.PENDING, PodPhase.RUNNING)
     node_ready = await rt.kube.node_ready(nodes) if nodes else {}
     # A rank of the gang failed beside running ones: their nodes' heartbeats tell a failure
     # from the echo of a dead machine (failure_policy.settle_generic_failure). Read only then.
-    running_nodes = _nodes(gang, "Running")
-    failed = any(_phase(p) == "Failed" for p in gang)
+    running_nodes = _nodes(gang, PodPhase.RUNNING)
+    failed = any(_phase(p) == PodPhase.FAILED for p in gang)
     leases = await rt.kube.node_leases(running_nodes) if failed and running_nodes else {}
     scraped = None
     rank0 = next((p for p in gang if p["metadata"].get("labels", {}).get(builders.LABEL_RANK) == "0"), None)
-    running = rank0 and _phase(rank0) == "Running" and rank0["status"].get("podIP")
+    running = rank0 and _phase(rank0) == PodPhase.RUNNING and rank0["status"].get("podIP")
     if rt.scraper is not None and running:
         url = f"http://{rank0['status']['podIP']}:{builders.METRICS_PORT}{METRICS_PATH}"
         scraped = rt.scraper.want(key, rank0["metadata"]["uid"], url)
@@ -374,7 +375,7 @@ async def _apply(rt: Runtime, key: Key, body: dict[str, Any], plan: Plan,
     current = new or status.parse(body.get("status"))
     rt.phases.set(key, current.phase, current.progress)
     phase = current.phase
-    if phase in reconcile.TERMINAL and rt.scraper:
+    if phase in TERMINAL and rt.scraper:
         rt.scraper.forget(key)
     if plan.requeue_after is not None and not plan.delete_job:
         rt.enqueue(key, plan.requeue_after)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from .phases import Phase
+
 RECONCILES = Counter("sftjob_operator_reconciles_total", "Reconcile passes, by result.", ["result"])
 RECONCILE_ERRORS = Counter("sftjob_operator_reconcile_errors_total", "Reconcile passes that raised, by kind.",
                            ["kind"])
@@ -10,7 +12,7 @@ RECONCILE_SECONDS = Histogram("sftjob_operator_reconcile_duration_seconds", "Dur
 JOBS = Gauge("sftjob_operator_jobs", "SFTJobs seen by this operator, by phase.", ["phase"])
 RESTARTS = Counter("sftjob_operator_gang_restarts_total", "Gang restarts, by cause.", ["cause"])
 PODS_CREATED = Counter("sftjob_operator_pods_created_total", "Training pods created.")
-PHASES = ("Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+PHASES = tuple(Phase)
 # Per job, from status.progress (eta.py); removed with the job. One series per job: what a
 # platform's dashboard shows beside the queue.
 JOB_PERCENT = Gauge("sftjob_operator_job_progress_percent", "Percent of a job's steps done.", ["namespace", "name"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .phases import RestartCause
 from .status import SFTJobStatus, dump
 
 
@@ -30,7 +31,7 @@ class Plan:
     delete_job: bool = False
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
-    restart_cause: str | None = None   # "preemption" | "failure", for metrics
+    restart_cause: RestartCause | None = None   # for metrics
     invalid: str | None = None         # set when the spec cannot run: the handler raises PermanentError
 
     @property

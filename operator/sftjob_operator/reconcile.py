@@ -29,11 +29,11 @@ from . import builders, deadlines, edits, eta, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
 from . import queueing, stale, success, suspend, ttl
+from .phases import TERMINAL, Phase, RestartCause
 from .plan import Event, Plan
 from .rejections import Rejection, explain_waiting
 from .status import dump, fields_patch, iso, parse, parse_time
 
-TERMINAL = ("Succeeded", "Failed")
 # A running job is looked at again at least this often; its progress arrives sooner, as the
 # background scraper reads it (progress.Scraper asks for a pass whenever a reading changes).
 PROGRESS_INTERVAL_S = 15.0
@@ -68,8 +68,8 @@ class _Pass:
         self.plan = Plan()
 
     # -- helpers ------------------------------------------------------------------------
-    def set_phase(self, phase: str, reason: str, message: str) -> None:
-        self.st.phase = phase  # type: ignore[assignment]
+    def set_phase(self, phase: Phase, reason: str, message: str) -> None:
+        self.st.phase = phase
         self.st.message = message[: c.MAX_MESSAGE]
         self.st.conditions = c.for_phase(self.st.conditions, phase, reason, message, iso(self.now), self.generation)
 
@@ -94,7 +94,7 @@ class _Pass:
                 self.plan.delete_pods.append(p["metadata"]["name"])
 
     def fail(self, reason: str, message: str) -> None:
-        self.set_phase("Failed", reason, message)
+        self.set_phase(Phase.FAILED, reason, message)
         self.st.completion_time = iso(self.now)
         self.st.restart_after = None
         self.event("Warning", reason, message)
@@ -117,9 +117,9 @@ class _Pass:
             self.spec = builders.parse_spec(self.body.get("spec") or {})
             builders.trainer_config(self.job, self.spec)
         except builders.InvalidSpec as err:
-            if self.st.phase != "Failed":
+            if self.st.phase != Phase.FAILED:
                 self.spec = None
-                self.set_phase("Failed", c.REASON_INVALID_SPEC, str(err))
+                self.set_phase(Phase.FAILED, c.REASON_INVALID_SPEC, str(err))
                 self.st.completion_time = iso(self.now)
                 self.event("Warning", c.REASON_INVALID_SPEC, str(err))
             self.plan.invalid = str(err)
@@ -131,13 +131,13 @@ class _Pass:
             self.cleanup_finished()
             return self.finish()
         if self.st.phase is None:
-            self.set_phase("Pending", c.REASON_CREATED, "waiting for the gang to be created")
+            self.set_phase(Phase.PENDING, c.REASON_CREATED, "waiting for the gang to be created")
         todo = suspend.step(self.st.phase, self.spec.suspend)
         if todo in (suspend.Step.SUSPEND, suspend.Step.SUSPENDED):
             suspend.apply(self, todo, STALE_POLL_S)
             return self.finish()
         if todo is suspend.Step.RESUME:
-            self.set_phase("Pending", c.REASON_RESUMED, "resuming from the newest checkpoint")
+            self.set_phase(Phase.PENDING, c.REASON_RESUMED, "resuming from the newest checkpoint")
             self.st.restart_after = None
             self.event("Normal", c.REASON_RESUMED, "resuming from the newest checkpoint")
         self.active()
@@ -184,7 +184,7 @@ class _Pass:
             if pod.force_delete and pod.pod not in self.plan.force_delete_pods:
                 self.plan.force_delete_pods.append(pod.pod)
                 self.event("Warning", c.REASON_FORCE_DELETED, pod.message)
-            elif not pod.force_delete and self.st.phase in ("Pending", "Restarting"):
+            elif not pod.force_delete and self.st.phase in (Phase.PENDING, Phase.RESTARTING):
                 self.set_phase(self.st.phase, c.REASON_TERMINATING, pod.message)
 
     def launch(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
@@ -221,7 +221,7 @@ class _Pass:
             return
         if self.reason_changed_to(rej.reason):
             self.event("Warning", rej.reason, rej.message)
-        self.set_phase("Pending", rej.reason, rej.message)
+        self.set_phase(Phase.PENDING, rej.reason, rej.message)
         if current:
             # Part of the gang exists: it would hold quota while waiting for the rest (and its
             # rendezvous would time out). Retire it, uncounted, and try the whole gang again.
@@ -265,7 +265,7 @@ class _Pass:
             self.st.output.uri = uri
             self.st.completion_time = iso(self.now)
             self.st.progress = eta.finished(success.final_progress(self.st.progress))
-            self.set_phase("Succeeded", c.REASON_SUCCEEDED, f"model exported to {uri}")
+            self.set_phase(Phase.SUCCEEDED, c.REASON_SUCCEEDED, f"model exported to {uri}")
             self.event("Normal", c.REASON_SUCCEEDED, f"every rank exited 0; model exported to {uri}")
             self.cleanup_finished()
         elif verdict.verdict is fp.Verdict.RESTART_FAILED:
@@ -276,12 +276,12 @@ class _Pass:
                           f"{c.REASON_PREEMPTION_LIMIT}: runPolicy.preemptionLimit ({rp.preemption_limit}) "
                           f"reached; last: {verdict.message}")
             else:
-                self.restart("preemption", verdict, current)
+                self.restart(RestartCause.PREEMPTION, verdict, current)
         elif verdict.verdict is fp.Verdict.STARTING:
             self.starting(verdict)
         else:
-            if self.st.phase != "Running":
-                self.set_phase("Running", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
+            if self.st.phase != Phase.RUNNING:
+                self.set_phase(Phase.RUNNING, c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
                 self.event("Normal", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
             self.st.start_time = self.st.start_time or iso(self.now)
             if self.metrics:
@@ -305,23 +305,23 @@ class _Pass:
             self.fail(c.REASON_STARTUP_DEADLINE, f"pods not all running {rp.startup_deadline_seconds}s after "
                       f"{since} (runPolicy.startupDeadlineSeconds){': ' + why if why else ''}")
             return
-        if self.st.phase == "Pending":
+        if self.st.phase == Phase.PENDING:
             if why:
                 if self.reason_changed_to(verdict.stuck_reason):
                     self.event("Warning", verdict.stuck_reason, why)
-                self.set_phase("Pending", verdict.stuck_reason, f"waiting: {why}")
+                self.set_phase(Phase.PENDING, verdict.stuck_reason, f"waiting: {why}")
             else:
-                self.set_phase("Pending", c.REASON_PODS_STARTING, "waiting for every pod to run")
+                self.set_phase(Phase.PENDING, c.REASON_PODS_STARTING, "waiting for every pod to run")
         self.requeue(min(left, STARTING_POLL_S))
 
     def waiting_in_queue(self) -> None:
         """Gated by Kueue: no startup deadline runs (it starts at admission, since waiting
         for quota held by other teams is not a failure to start), and the job says so."""
         message = c.get_condition(self.st.conditions, queueing.ADMITTED).message  # type: ignore[union-attr]
-        if self.st.phase == "Pending":
+        if self.st.phase == Phase.PENDING:
             if self.reason_changed_to(queueing.REASON_QUEUED):
                 self.event("Normal", queueing.REASON_QUEUED, message)
-            self.set_phase("Pending", queueing.REASON_QUEUED, message)
+            self.set_phase(Phase.PENDING, queueing.REASON_QUEUED, message)
         self.requeue(STARTING_POLL_S)
 
     def attempt_failed(self, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
@@ -334,7 +334,7 @@ class _Pass:
                       f"{c.REASON_BACKOFF_LIMIT}: {failures + 1} failed attempts "
                       f"(runPolicy.backoffLimit {rp.backoff_limit}); last: {verdict.message}")
         else:
-            self.restart("failure", verdict, current, reason)
+            self.restart(RestartCause.FAILURE, verdict, current, reason)
 
     def watchdog(self, current: dict[int, dict[str, Any]]) -> None:
         """Restart a gang whose step stopped advancing (a rank stuck in a collective, say);
@@ -353,16 +353,16 @@ class _Pass:
                                  "(runPolicy.progressDeadlineSeconds); a rank may be stuck")
         self.attempt_failed(verdict, current, reason=c.REASON_PROGRESS_DEADLINE)
 
-    def restart(self, cause: str, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
+    def restart(self, cause: RestartCause, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
                 reason: str | None = None) -> None:
         delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, self.st.restarts.total)
         self.st.restarts.count(cause)
         self.st.attempt += 1
         self.st.restart_after = iso(self.now + timedelta(seconds=delay))
-        reason = reason or (c.REASON_RESTART_FAILURE if cause == "failure" else c.REASON_RESTART_PREEMPTION)
+        reason = reason or (c.REASON_RESTART_FAILURE if cause == RestartCause.FAILURE else c.REASON_RESTART_PREEMPTION)
         message = (f"{verdict.reason}: {verdict.message}; restarting the whole gang in {delay:.0f}s "
                    f"(attempt {self.st.attempt})")
-        self.set_phase("Restarting", reason, message)
+        self.set_phase(Phase.RESTARTING, reason, message)
         self.event("Warning", reason, message)
         self.plan.restart_cause = cause
         self.stop(list(current.values()), finished_too=True)

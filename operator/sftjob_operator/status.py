@@ -22,6 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from .phases import Phase, RestartCause
+
 # Status keys the operator does not own: kopf's default storage keeps handler progress in
 # `status.kopf`; this operator keeps it in annotations (handlers.startup), but a status
 # written under kopf's defaults may still carry it. It is neither parsed nor ever deleted.
@@ -34,10 +36,9 @@ class StatusModel(BaseModel):
     assignment validated (a pass edits the model in place)."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
-                              validate_assignment=True)
+                              validate_assignment=True, use_enum_values=True)
 
 
-Phase = Literal["Pending", "Running", "Restarting", "Suspended", "Succeeded", "Failed"]
 
 
 class Condition(StatusModel):
@@ -61,9 +62,9 @@ class RestartCounts(StatusModel):
     preemptions: int = Field(default=0, description="Restarts after a pod was preempted, evicted, deleted or lost its node.")
     total: int = Field(default=0, description="failures + preemptions.")
 
-    def count(self, cause: Literal["failure", "preemption"]) -> None:
+    def count(self, cause: RestartCause) -> None:
         """Count one gang restart by its cause."""
-        if cause == "failure":
+        if cause == RestartCause.FAILURE:
             self.failures += 1
         else:
             self.preemptions += 1

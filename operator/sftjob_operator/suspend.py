@@ -20,6 +20,7 @@ from typing import Any
 
 from . import conditions as c
 from . import queueing
+from .phases import Phase
 
 
 class Step(enum.Enum):
@@ -32,8 +33,8 @@ class Step(enum.Enum):
 def step(phase: str | None, suspend: bool) -> Step:
     """What spec.suspend asks of a job that is not finished, in phase `phase`."""
     if suspend:
-        return Step.SUSPENDED if phase == "Suspended" else Step.SUSPEND
-    return Step.RESUME if phase == "Suspended" else Step.NONE
+        return Step.SUSPENDED if phase == Phase.SUSPENDED else Step.SUSPEND
+    return Step.RESUME if phase == Phase.SUSPENDED else Step.NONE
 
 
 def apply(p: Any, todo: Step, poll_s: float) -> None:
@@ -43,7 +44,7 @@ def apply(p: Any, todo: Step, poll_s: float) -> None:
         p.st.attempt += 1
         p.st.start_time = None   # the active deadline starts again on resume
         p.st.restart_after = None
-        p.set_phase("Suspended", c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
+        p.set_phase(Phase.SUSPENDED, c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
         p.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
         if c.get_condition(p.st.conditions, queueing.ADMITTED):
             p.set_admitted(False, c.REASON_SUSPENDED,
