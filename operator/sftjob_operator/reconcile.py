@@ -117,6 +117,7 @@ class _Pass:
             self.spec = builders.parse_spec(self.body.get("spec") or {})
             builders.trainer_config(self.job, self.spec)
         except builders.InvalidSpec as err:
+            self.st.observed_generation = self.generation   # observed, and judged: it cannot run
             if self.st.phase != Phase.FAILED:
                 self.spec = None
                 self.set_phase(Phase.FAILED, c.REASON_INVALID_SPEC, str(err))

@@ -163,6 +163,7 @@ def test_invalid_spec_fails_once():
     plan = reconcile.plan(body, [], at(0))
     assert plan.invalid and plan.status["phase"] == "Failed"
     assert cond(plan.status, "Failed")["reason"] == "InvalidSpec"
+    assert plan.status["observedGeneration"] == 1   # kstatus: observed, and Failed (not still in progress)
     body = apply(body, plan)
     again = reconcile.plan(body, [], at(5))
     assert again.invalid and again.status is None and not again.events
