@@ -5,7 +5,7 @@ Everything a contender needs to be comparable:
   * the dataset location/loader,
   * the FLOPs of a set of sequences: the trainer's own formula and parameter count
     (sftjob_trainer.metrics.step_flops, sftjob_trainer.model.matmul_params), so every
-    contender's MFU is the one the trainer reports (see README "MFU"),
+    contender's MFU is the one the trainer reports (see docs/benchmarks.md, MFU),
   * a tiny timing/token-accounting helper so every contender reports the same way.
 """
 

@@ -6,10 +6,10 @@ NAMESPACE ?= default
 
 .PHONY: crds crds-install operator-run operator-test operator-test-cluster example-assets
 
-crds: install ## Regenerate the CRD from the pydantic API models, and the README's SFTJob/trainer references
+crds: install ## Regenerate the CRD from the pydantic API models, and the generated references in docs/reference/
 	$(PY) -m sftjob_operator.crd > crds/.sftjob.io_sftjobs.yaml.tmp && mv crds/.sftjob.io_sftjobs.yaml.tmp crds/sftjob.io_sftjobs.yaml
-	$(PY) -m sftjob_operator.reference --write README.md
-	$(PY) -m sftjob_operator.reference --trainer --write README.md
+	$(PY) -m sftjob_operator.reference --write docs/reference/sftjob.md
+	$(PY) -m sftjob_operator.reference --trainer --write docs/reference/trainer-config.md
 
 crds-install: ## Apply the SFTJob CRD to the local cluster
 	@$(CLUSTER_ENV); kubectl apply --server-side -f crds/sftjob.io_sftjobs.yaml

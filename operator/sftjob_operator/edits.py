@@ -1,5 +1,5 @@
 """The edit policy: what a user may change in a running SFTJob, and when the change takes
-effect. Pure; stated here once, rendered into the README's table (reference.py) and checked
+effect. Pure; stated here once, rendered into the SFTJob reference's table (reference.py, docs/reference/sftjob.md) and checked
 against the CRD's immutability rules by a test.
 
 Three kinds of field:

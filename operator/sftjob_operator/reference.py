@@ -1,8 +1,8 @@
-"""Render the SFTJob CRD's field descriptions as the README's `SFTJob` reference (markdown).
+"""Render the SFTJob CRD's field descriptions as the `SFTJob` reference (docs/reference/sftjob.md).
 
     python -m sftjob_operator.reference                    # markdown on stdout, from crds/
     python -m sftjob_operator.reference --crd FILE --out FILE
-    python -m sftjob_operator.reference --check README.md  # exit 1 when README's copy is stale
+    python -m sftjob_operator.reference --check docs/reference/sftjob.md  # exit 1 when it is stale
     python -m sftjob_operator.reference --trainer          # the trainer's config reference instead
 
 `make crds` runs crd.py (next to this module) and then this. The CRD (crds/sftjob.io_sftjobs.yaml)
@@ -12,7 +12,7 @@ spec.data, ...), each field with its type, default, constraints (enums, bounds, 
 and description; then the status and the printer columns.
 
 Between the markers `<!-- BEGIN sftjob-reference -->` and `<!-- END sftjob-reference -->`
-a README can hold the output; `--write README.md` replaces that block in place.
+a page can hold the output; `--write FILE` replaces that block in place.
 """
 from __future__ import annotations
 
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer", action="store_true",
                    help="render the trainer's config reference instead (markers sftjob-trainer-reference)")
     p.add_argument("--out", type=Path, help="write the markdown to this file")
-    p.add_argument("--write", type=Path, metavar="README", help="replace the marked block in this file")
-    p.add_argument("--check", type=Path, metavar="README", help="fail when the marked block is stale")
+    p.add_argument("--write", type=Path, metavar="FILE", help="replace the marked block in this file")
+    p.add_argument("--check", type=Path, metavar="FILE", help="fail when the marked block is stale")
     args = p.parse_args(argv)
     global BEGIN, END
     if args.trainer:

@@ -107,7 +107,7 @@ class ScratchSpec(SpecModel):
         default=None, max_length=64,
         description="Scratch space per pod (a quantity, e.g. 200Gi): the emptyDir's sizeLimit and the pod's "
         "ephemeral-storage request, so the scheduler places the pod only where the disk fits. It must hold the "
-        "model (once per pod) and one checkpoint's shards of the pod's ranks (README, On a real cluster). Empty: no "
+        "model (once per pod) and one checkpoint's shards of the pod's ranks (docs/install.md, scratch disk). Empty: no "
         "limit and no request.",
         json_schema_extra=rules(cel("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
                                     "must be a positive Kubernetes quantity, e.g. 200Gi")),
