@@ -125,7 +125,9 @@ class ResourcesSpec(SpecModel):
     # Each process of a GPU pod drives its own device (LOCAL_RANK): more processes than GPUs
     # would ask for a device that does not exist, after the whole gang has been scheduled.
     model_config = ConfigDict(json_schema_extra=rules(
-        cel("self.gpusPerNode == 0 || self.processesPerNode <= self.gpusPerNode",
+        # has(): the API server also checks the rule against the section's default, {}.
+        cel("!has(self.gpusPerNode) || self.gpusPerNode == 0 || !has(self.processesPerNode) || "
+            "self.processesPerNode <= self.gpusPerNode",
             "resources.processesPerNode must not exceed resources.gpusPerNode on a GPU job (one device per process)",
             field_path=".processesPerNode")))
 
