@@ -125,3 +125,22 @@ def test_operator_env_is_reserved():
     credentials = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}  # refused as credentials instead
     for name in ours - credentials:
         assert name in reserved or name.startswith(resources.RESERVED_ENV_PREFIX), name
+
+
+def test_rules_of_a_defaulted_section_hold_for_its_default():
+    """The API server checks each CEL rule of an object against that object's default ({}
+    for the sections a minimal spec leaves out) and refuses the whole CRD when a rule reads a
+    field the default lacks. A rule there must guard every field it reads with has()."""
+    import re
+
+    schema = yaml.safe_load(CRD_FILE.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    bad = []
+    for path, node in _walk(schema):
+        if not isinstance(node, dict) or "default" not in node or node.get("type") != "object":
+            continue
+        present = set(node["default"] or {})
+        for rule in node.get("x-kubernetes-validations", []):
+            for field in set(re.findall(r"\bself\.(\w+)", rule["rule"])) - present:
+                if f"has(self.{field})" not in rule["rule"]:
+                    bad.append(f"{path}: {rule['rule']} reads self.{field} unguarded")
+    assert not bad, "\n".join(bad)
