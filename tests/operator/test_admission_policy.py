@@ -47,8 +47,11 @@ def policy(cluster, example_ns):
         cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found", check=False)
 
 
-def _as(cluster, user: str, ns: str, obj: dict):
-    return cluster.kubectl("--as", user, "-n", ns, "apply", "-f", "-", input=json.dumps(obj), check=False)
+def _as(cluster, user: str, ns: str, obj: dict, dry_run: bool = False):
+    """`kubectl create` as `user`; with dry_run the API server admits (or refuses) it and
+    stores nothing, so a try before the policy is in force leaves no job behind."""
+    extra = ["--dry-run=server"] if dry_run else []
+    return cluster.kubectl("--as", user, "-n", ns, "create", *extra, "-f", "-", input=json.dumps(obj), check=False)
 
 
 def test_a_requester_may_create_only_the_sftjobs_whose_pods_they_could_make(cluster, scoped_operator, example_ns,
@@ -65,8 +68,8 @@ def test_a_requester_may_create_only_the_sftjobs_whose_pods_they_could_make(clus
 
     def refused(user: str, name: str, field: str, **overrides) -> None:
         # The policy takes a moment to reach the API server's admission chain.
-        res = wait_for(lambda: (r := _as(cluster, user, ns, example(name, **overrides))).returncode != 0 and r,
-                       30, interval=1, what=f"{user}'s {name} to be refused")
+        res = wait_for(lambda: (r := _as(cluster, user, ns, example(name, **overrides), dry_run=True)).returncode != 0
+                       and r, 30, interval=1, what=f"{user}'s {name} to be refused")
         assert field in res.stderr and user in res.stderr, res.stderr
 
     refused("bob", "no-pods", "spec.resources:")
@@ -88,5 +91,5 @@ def test_a_requester_may_create_only_the_sftjobs_whose_pods_they_could_make(clus
     # Without the policy the same refused request is accepted: it is the policy that refuses.
     for d in policy:
         cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"])
-    wait_for(lambda: _as(cluster, "bob", ns, example("no-pods", **{"suspend": True})).returncode == 0, 30,
+    wait_for(lambda: _as(cluster, "bob", ns, example("no-pods"), dry_run=True).returncode == 0, 30,
              interval=1, what="bob's job to be accepted once the policy is gone")
