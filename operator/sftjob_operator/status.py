@@ -182,10 +182,6 @@ def parse(raw: dict[str, Any] | None) -> SFTJobStatus:
     return SFTJobStatus.model_validate(data)
 
 
-def unknown_fields(raw: dict[str, Any] | None) -> list[str]:
-    """Top-level status fields this version neither knows nor owns (kept on the wire)."""
-    return sorted(k for k in (raw or {}) if k not in _KNOWN and k not in FOREIGN_KEYS)
-
 
 _KNOWN = frozenset(f.alias or name for name, f in SFTJobStatus.model_fields.items())
 

@@ -85,7 +85,7 @@ TABLE = [
 @pytest.mark.parametrize("err,kind", TABLE, ids=[f"{type(e).__name__}-{k}-{i}" for i, (e, k) in enumerate(TABLE)])
 def test_classification_table(err, kind):
     assert s3errors.kind(err) == kind
-    assert s3errors.is_transient(err) == (kind == s3errors.TRANSIENT)
+    assert s3errors.is_permanent(err) == (kind == s3errors.PERMANENT)
     made = s3errors.classify(err, "spec.storage.uri", "s3://b/p", tries=3)
     want = {s3errors.TRANSIENT: StorageUnavailable, s3errors.PERMANENT: StorageDenied}.get(kind, TrainerError)
     assert type(made) is want

@@ -105,10 +105,6 @@ def kind(err: BaseException) -> str:
     return UNKNOWN
 
 
-def is_transient(err: BaseException) -> bool:
-    return kind(err) == TRANSIENT
-
-
 def is_permanent(err: BaseException) -> bool:
     return kind(err) == PERMANENT
 
