@@ -49,8 +49,8 @@ def when(path: str) -> str:
     raise KeyError(path)
 
 
-def _value(spec: api.SFTJobSpec, path: str) -> Any:
-    node: Any = spec.model_dump(by_alias=True, mode="json")
+def _value(wire: dict[str, Any], path: str) -> Any:
+    node: Any = wire
     for part in path.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return node
@@ -64,8 +64,9 @@ def fingerprint(spec: api.SFTJobSpec) -> dict[str, str]:
     """A digest per restart-applied field group, as the gang is launched with it. Fields a
     more specific entry claims (resources.nodes is never edited) are left in: unchanged."""
     out = {}
+    wire = spec.model_dump(by_alias=True, mode="json")   # once per pass, not once per group
     for path in _restart_paths():
-        text = json.dumps(_value(spec, path), sort_keys=True)
+        text = json.dumps(_value(wire, path), sort_keys=True)
         out[path] = hashlib.sha256(text.encode()).hexdigest()[:12]
     return out
 
