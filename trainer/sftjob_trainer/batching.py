@@ -9,7 +9,7 @@ spread over the micro-batches of an accumulation (`split_to`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ class MicroBatch:
     n_tokens: int  # real (non-pad) tokens
     n_targets: int
     seq_lengths: list[int]
+    # The full row's sequence boundaries, for a sequence-parallel slice (ulysses.shard_micro_batch).
+    cu_seq_lens: torch.Tensor | None = None
 
 
 def collate(samples: list[Sample], ids: list[int], packing: bool, pad_id: int) -> MicroBatch:
@@ -67,19 +69,23 @@ def collate(samples: list[Sample], ids: list[int], packing: bool, pad_id: int) -
 class GlobalBatches:
     """The global-cursor schedule: which samples each rank trains on at each step."""
 
-    def __init__(self, dataset: SFTDataset, cfg: DataConfig, seed: int, rank: int, world: int, pad_id: int):
+    def __init__(self, dataset: SFTDataset, cfg: DataConfig, seed: int, rank: int, world: int, pad_id: int,
+                 shard: Callable[[MicroBatch], MicroBatch] | None = None):
+        """``rank``/``world``: the data-parallel ones (with sequence parallelism the ranks of an SP
+        group share one); ``shard`` cuts this rank's slice out of each micro-batch (ulysses.py)."""
         if cfg.train_batch_size % world:
             raise InvalidData(
-                f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number of "
-                f"processes ({world})"
+                f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number of data-parallel "
+                f"ranks ({world}: processes / trainer.sequence_parallel_size)"
             )
         self.per_rank = cfg.train_batch_size // world
         if self.per_rank % cfg.micro_batch_size_per_gpu:
             raise InvalidData(
                 f"data.micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must divide the per-rank batch "
-                f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} processes)"
+                f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} data-parallel ranks)"
             )
         self.dataset, self.cfg, self.seed, self.rank, self.pad_id = dataset, cfg, seed, rank, pad_id
+        self.shard = shard
         self.global_batch = cfg.train_batch_size
         self.steps_per_epoch = len(dataset.valid) // self.global_batch
         if self.steps_per_epoch == 0:
@@ -114,7 +120,8 @@ class GlobalBatches:
         out = []
         for group in groups:
             chunk = [int(i) for i in group]
-            out.append(collate([self.dataset.sample(i) for i in chunk], chunk, self.cfg.packing, self.pad_id))
+            mb = collate([self.dataset.sample(i) for i in chunk], chunk, self.cfg.packing, self.pad_id)
+            out.append(self.shard(mb) if self.shard else mb)
         return out
 
 
@@ -144,9 +151,12 @@ def split_to(groups: list[slice], count: int) -> list[slice]:
     return groups
 
 
-def eval_batches(dataset: SFTDataset, micro: int, rank: int, world: int, packing: bool, pad_id: int) -> Iterator[MicroBatch]:
-    """This rank's share of the validation set in file order (every usable row once)."""
+def eval_batches(dataset: SFTDataset, micro: int, rank: int, world: int, packing: bool, pad_id: int,
+                 shard: Callable[[MicroBatch], MicroBatch] | None = None) -> Iterator[MicroBatch]:
+    """This rank's share of the validation set in file order (every usable row once); ``rank``,
+    ``world`` and ``shard`` as for `GlobalBatches`."""
     mine = dataset.valid[rank::world]
     for k in range(0, len(mine), micro):
         chunk = [int(i) for i in mine[k : k + micro]]
-        yield collate([dataset.sample(i) for i in chunk], chunk, packing, pad_id)
+        mb = collate([dataset.sample(i) for i in chunk], chunk, packing, pad_id)
+        yield shard(mb) if shard else mb

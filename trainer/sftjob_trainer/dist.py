@@ -21,10 +21,26 @@ class World:
     local_rank: int
     size: int
     device: torch.device
+    # Ranks per sequence-parallel group (trainer.sequence_parallel_size; ulysses.setup sets it).
+    sp: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the global batch this rank reads: the ranks of an SP group read the same."""
+        return self.rank // self.sp
+
+    @property
+    def dp_size(self) -> int:
+        return self.size // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's slice of each row within its SP group."""
+        return self.rank % self.sp
 
 
 def init_world(timeout_s: float = 1800.0) -> World:

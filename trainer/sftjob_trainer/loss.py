@@ -173,6 +173,10 @@ def loss_head(model: nn.Module) -> LossHead | None:
 
 def varlen_kwargs(mb: MicroBatch, device: torch.device) -> dict:
     """Sequence boundaries of a packed row, in the form transformers' varlen attention reads."""
+    if mb.cu_seq_lens is not None:  # a sequence-parallel slice: the full row's boundaries (ulysses.py)
+        cu = mb.cu_seq_lens.to(device)
+        longest = int((cu[1:] - cu[:-1]).max())
+        return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
     if mb.attention_mask is not None or mb.input_ids.shape[0] != 1:
         return {}
     cu = torch.tensor([0, *itertools.accumulate(mb.seq_lengths)], dtype=torch.int32, device=device)

@@ -27,6 +27,7 @@ What this file decides for a run:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 
 from sftjob_contract.config import LoraConfig, ModelConfig
 
+from . import ulysses
 from .attention import pick_attention, register_attention
 from .dist import World
 from .errors import InvalidConfig
@@ -56,18 +58,57 @@ def widen_bf16_gemms(model: nn.Module) -> None:
         module.widen_bf16 = True
 
 
+# --------------------------------------------------------------------------- GPU-only options
+
+LIGER_FIELD, OFFLOAD_FIELD = "model.liger_kernel", "trainer.cpu_offload"
+
+
+def check_device_options(liger: bool, offload: bool, device: torch.device) -> None:
+    """Refuse, before anything is loaded, what only a GPU run can do (the API server refuses
+    both for CPU jobs too; this catches a trainer started by hand)."""
+    if offload and device.type != "cuda":
+        raise InvalidConfig(f"{OFFLOAD_FIELD}: CPU offload moves GPU-resident states to host memory; on a CPU "
+                            f"run ({device.type}) everything is in host memory already. Set it to false")
+    if liger and device.type != "cuda":
+        raise InvalidConfig(f"{LIGER_FIELD}: Liger's kernels are Triton GPU kernels; this run has no GPU "
+                            f"({device.type}). Set it to false")
+    if liger and importlib.util.find_spec("liger_kernel") is None:
+        raise InvalidConfig(f"{LIGER_FIELD}: the liger-kernel package is not installed in this image "
+                            f"(pip install liger-kernel==0.8.5), or set it to false")
+
+
+def apply_liger(model: nn.Module) -> None:
+    """Liger's fused RMSNorm, SwiGLU and RoPE on the model instance (before LoRA wraps it).
+
+    Its cross-entropies are left off: our `loss.LossHead` already takes the CE in chunks that
+    never hold [tokens, vocab] logits, and it is what FSDP and the SP slices are built around."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise InvalidConfig(f"{LIGER_FIELD}: Liger has no kernels for model_type {model_type!r} (it supports "
+                            f"{', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set it to false")
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    log.info("Liger kernels (RMSNorm, SwiGLU, RoPE) applied to the %s model", model_type)
+
+
 # --------------------------------------------------------------------------- building
 
 
 def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights: bool = True,
-               precision: str = "fp32") -> nn.Module:
+               precision: str = "fp32", sp: int = 1) -> nn.Module:
     """The model with its pretrained weights in CPU memory, or (``weights=False``) the same
-    architecture on the meta device: no memory, filled later from rank 0."""
+    architecture on the meta device: no memory, filled later from rank 0. With sequence
+    parallelism (``sp`` > 1) its attention is the Ulysses wrapper around the picked kernel."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     register_attention()
     attn = pick_attention(cfg.attn_implementation, device, precision)
     try:
+        if sp > 1:
+            ulysses.check_heads(AutoConfig.from_pretrained(local_path, trust_remote_code=cfg.trust_remote_code), sp)
+            attn = ulysses.register(attn)
         if weights:
             model = AutoModelForCausalLM.from_pretrained(
                 local_path,
@@ -85,7 +126,7 @@ def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights:
                 log.warning("cannot build %s on the meta device (%s); reading the weights on this rank too",
                             type(config).__name__, err)
                 # This node's cache may hold no weights (only rank 0 was to read them): fetch them now.
-                return load_model(cfg, with_weights(local_path), device, weights=True, precision=precision)
+                return load_model(cfg, with_weights(local_path), device, weights=True, precision=precision, sp=sp)
     except (OSError, ValueError) as err:
         raise InvalidConfig(f"model.path {cfg.path}: cannot load a causal LM ({err})") from None
     # KV caching is for generation only; training never uses it.
@@ -141,25 +182,34 @@ def compile_layers(model: nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def shard_model(model: nn.Module, world: World, precision: str = "fp32") -> nn.Module:
+def shard_model(model: nn.Module, world: World, precision: str = "fp32", offload: bool = False) -> nn.Module:
     """FSDP2: one `fully_shard` per decoder layer, then the root, all with the precision's
-    `MixedPrecisionPolicy`. Without a process group (one process) the model stays whole."""
+    `MixedPrecisionPolicy`. Without a process group (one process) the model stays whole,
+    unless ``offload`` (trainer.cpu_offload): FSDP2's `CPUOffloadPolicy` keeps the sharded
+    parameters, their gradients and the optimizer state in pinned host memory, so a single
+    GPU gets a one-rank group for it.
+
+    The mesh is the whole world also with sequence parallelism (see ulysses.py for why)."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    if not dist.is_initialized() and not offload:
         return model.to(world.device)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=world.device)
     mesh = init_device_mesh(world.device.type, (dist.get_world_size(),))
-    mp = fsdp_mixed_precision(precision)
+    opts = dict(mp_policy=fsdp_mixed_precision(precision),
+                offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, **opts)
+    fully_shard(model, mesh=mesh, **opts)
     return model
 
 
-def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> None:
+def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World, offload: bool = False) -> None:
     """Fill a sharded model whose non-zero ranks are still on the meta device.
 
     Parameters come from rank 0's full state dict (consumed as it goes), scattered so
@@ -170,7 +220,13 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> Non
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if world.rank != 0:
-        model.to_empty(device=world.device)
+        # Offloaded shards live in host memory; the buffers (rotary tables) stay on the GPU.
+        model.to_empty(device="cpu" if offload else world.device)
+        if offload:
+            for module in model.modules():
+                for key, buf in module._buffers.items():
+                    if buf is not None:
+                        module._buffers[key] = buf.to(world.device)
     with torch.no_grad():
         # One parameter at a time, so no rank ever holds more than one full tensor beyond
         # its shards (torch's set_model_state_dict keeps every received tensor alive until
@@ -190,7 +246,8 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World) -> Non
 
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World,
-                widen_bf16: bool = False, precision: str = "fp32", compiled: bool = False) -> nn.Module:
+                widen_bf16: bool = False, precision: str = "fp32", compiled: bool = False,
+                offload: bool = False) -> nn.Module:
     """Only rank 0 reads the weights; the other ranks build the model on the meta device and
     receive their shards from rank 0 after sharding. A node's CPU memory then holds one
     full copy of the model, not one per process (8 GPUs × a 70B model in fp32 would not fit)."""
@@ -198,7 +255,10 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
 
     model, error = None, None
     try:
-        model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0, precision=precision)
+        model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0, precision=precision,
+                           sp=world.sp)
+        if model_cfg.liger_kernel:
+            apply_liger(model)
     except InvalidConfig as err:
         error = str(err)
     except Exception as err:  # noqa: BLE001 - e.g. a truncated safetensors file: retrying cannot help
@@ -217,9 +277,9 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
         compile_layers(model)
     if model_cfg.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    model = shard_model(model, world, precision)
+    model = shard_model(model, world, precision, offload)
     if world.size > 1:
-        load_from_rank0(model, full_sd, world)
+        load_from_rank0(model, full_sd, world, offload)
         del full_sd
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
