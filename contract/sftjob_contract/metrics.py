@@ -18,6 +18,12 @@ TOTAL_STEPS = "sftjob_trainer_total_steps"
 EPOCH = "sftjob_trainer_epoch"
 LOSS = "sftjob_trainer_loss"
 VAL_LOSS = "sftjob_trainer_val_loss"
+BEST_VAL_LOSS = "sftjob_trainer_best_val_loss"      # the lowest validation loss so far
+BEST_VAL_STEP = "sftjob_trainer_best_val_step"      # the step of that validation
+# Validations in a row without an improvement (trainer.early_stopping_min_delta) over the best.
+VALIDATIONS_WITHOUT_IMPROVEMENT = "sftjob_trainer_validations_without_improvement"
+# 1 once early stopping ended training (trainer.early_stopping_patience); 0 otherwise.
+EARLY_STOPPED = "sftjob_trainer_early_stopped"
 LEARNING_RATE = "sftjob_trainer_learning_rate"
 GRAD_NORM = "sftjob_trainer_grad_norm"
 TOKENS_PER_SECOND = "sftjob_trainer_tokens_per_second"

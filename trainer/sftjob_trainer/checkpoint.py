@@ -62,6 +62,14 @@ class TrainerState:
     # Optimizer steps in a row, up to this one, skipped for a non-finite loss or gradient
     # (trainer.max_non_finite_steps); kept so a restart cannot reset the count.
     non_finite_in_a_row: int = 0
+    # Validation (early_stop.py), kept so a restart continues early stopping exactly and
+    # export=best still knows its checkpoint: the last validation's step and loss, the lowest
+    # loss and its step, and validations in a row without an improvement over min_delta.
+    val_step: int = -1
+    val_loss: float | None = None
+    best_val_step: int = -1
+    best_val_loss: float | None = None
+    val_without_improvement: int = 0
 
 
 # --------------------------------------------------------------------------- shards (DCP)
@@ -283,12 +291,14 @@ def find_resumable(store: Store) -> int | None:
     return None
 
 
-def prune(store: Store, newest: int, keep: int) -> list[int]:
+def prune(store: Store, newest: int, keep: int, pinned: int | None = None) -> list[int]:
     """Only after ``newest`` committed: drop committed ones beyond the newest ``keep``
-    and the partial ones older than ``newest``. Newer ones (another save) are left."""
+    and the partial ones older than ``newest``. Newer ones (another save) are left.
+    ``pinned`` (the best validated step, for export=best) is kept on top of ``keep``
+    while it is committed."""
     older = [s for s in steps(store) if s < newest]
     committed = [s for s in older if verify(store, s) is None]
-    kept = set(committed[: max(keep - 1, 0)])
+    kept = set(committed[: max(keep - 1, 0)]) | ({pinned} & set(committed))
     doomed = [s for s in older if s not in kept]
     for s in doomed:
         store.delete_dir(checkpoint_dir(s))

@@ -112,6 +112,9 @@ class Checkpointer:
         self.failed_step: int | None = None  # the newest step whose commit failed
         self._failure: Exception | None = None  # what ends the run, held until every rank knows
         self.fence: Fence | None = None  # rank 0's claim on the prefix (fence.py); None: unfenced
+        # trainer.export=best: never prune the checkpoint of the best validation a save's state
+        # names (TrainerState.best_val_step): the export loads its weights at the end.
+        self.keep_best = False
         self._ended = False
 
     def location(self, step: int) -> str:
@@ -122,6 +125,10 @@ class Checkpointer:
     def resumable(self) -> int | None:
         """Collective: the newest committed checkpoint's step (rank 0 looks)."""
         return dist_utils.broadcast_object(ckpt.find_resumable(self.store) if self.rank == 0 else None)
+
+    def committed(self, step: int) -> bool:
+        """Collective: is ``step`` a complete, committed checkpoint (rank 0 looks)?"""
+        return bool(dist_utils.broadcast_object(ckpt.verify(self.store, step) is None if self.rank == 0 else None))
 
     def load(self, step: int, model, optimizer) -> ckpt.TrainerState:
         with self.store.read_dir(checkpoint_dir(step), self.attempt) as files:
@@ -159,13 +166,15 @@ class Checkpointer:
                                          self.group)
         blocked = time.perf_counter() - t0
         written, step = self._written, state.step
-        self._pending = self.strategy.submit(lambda: self._publish_and_commit(written, staged, step, until))
+        pinned = state.best_val_step if self.keep_best and state.best_val_step >= 0 else None
+        self._pending = self.strategy.submit(lambda: self._publish_and_commit(written, staged, step, until, pinned))
         self._pending_step = step
         if final:
             self.wait(raise_errors=True, until=until)
         return blocked
 
-    def _publish_and_commit(self, written: Future, staged: Path, step: int, until: float | None) -> int:
+    def _publish_and_commit(self, written: Future, staged: Path, step: int, until: float | None,
+                            pinned: int | None = None) -> int:
         t0 = time.perf_counter()
         written.result()
         # trainer.upload_timeout_s counts from the shards being on disk, as for a blocking write.
@@ -192,7 +201,7 @@ class Checkpointer:
         if self.fence is not None:  # a stale attempt must not delete what the current one resumes from
             self.fence.check("prune older checkpoints")
         try:
-            pruned = ckpt.prune(self.store, step, self.keep)
+            pruned = ckpt.prune(self.store, step, self.keep, pinned)
         except Exception as err:  # noqa: BLE001 - step is committed: not a failed commit; the next one retries
             log.warning("checkpoint %s committed, but pruning older ones failed: %s", self.location(step), err)
         else:

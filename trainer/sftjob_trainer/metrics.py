@@ -22,6 +22,11 @@ _GAUGES = {
     "epoch": (M.EPOCH, "Current epoch (0-based)"),
     "loss": (M.LOSS, "Training loss of the last step (mean over target tokens)"),
     "val_loss": (M.VAL_LOSS, "Loss on the validation set at the last validation"),
+    "best_val_loss": (M.BEST_VAL_LOSS, "Lowest validation loss so far"),
+    "best_val_step": (M.BEST_VAL_STEP, "Step of the validation with the lowest loss"),
+    "val_without_improvement": (M.VALIDATIONS_WITHOUT_IMPROVEMENT,
+                                "Validations in a row without an improvement over the best (early stopping)"),
+    "early_stopped": (M.EARLY_STOPPED, "1 once early stopping ended training"),
     "lr": (M.LEARNING_RATE, "Learning rate of the last step"),
     "grad_norm": (M.GRAD_NORM, "Global gradient norm before clipping"),
     "tokens_per_s": (M.TOKENS_PER_SECOND, "Real (non-pad) tokens per second, all ranks"),
@@ -32,8 +37,8 @@ _GAUGES = {
                              "Unix time of the newest checkpoint (checkpoint age = time() - this)"),
 }
 # Gauges that have no value until the first step measures them: NaN, never a fake 0.
-_UNSET_UNTIL_MEASURED = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "checkpoint_save_seconds",
-                         "last_checkpoint_time")
+_UNSET_UNTIL_MEASURED = ("loss", "val_loss", "best_val_loss", "best_val_step", "lr", "grad_norm", "tokens_per_s",
+                         "mfu", "checkpoint_save_seconds", "last_checkpoint_time")
 _COUNTERS = {
     "tokens": (M.TOKENS, "Real (non-pad) tokens processed"),
     "skipped": (M.SKIPPED_STEPS, "Steps skipped for a non-finite loss or gradient norm"),
