@@ -10,13 +10,18 @@ Checks, each PASS or FAIL with its numbers, the exit code non-zero if any fails:
   attention  in this process, FSDP2 on a one-rank NCCL group with bf16 mixed precision:
              flash-attention varlen and our per-sequence sdpa on the same packed batch give
              the same loss and gradients within bf16 tolerance (flash-attn must be installed)
+  offload    in this process, FSDP2 on a one-rank NCCL group, the 0.5B Qwen2-shaped model, bf16,
+             5 AdamW steps on one packed batch with and without trainer.cpu_offload: the losses
+             agree (same kernels: within 1e-3) and the peak GPU memory is lower with offload
+  liger      the same with and without model.liger_kernel (liger-kernel must be installed):
+             losses within bf16 tolerance (other kernels: 2e-2), peak GPU memory not higher
   bench      `make bench-gpu` shortened (bench/bench_gpu.py): tokens/s and MFU of the 0.5B
              Qwen2-shaped model
   image      with docker or buildah and the trainer image present: the image's import check
 Without CUDA it prints that nothing was checked and exits 2, unless --allow-no-gpu
 (`make gpu-check GPU_CHECK_SKIP=1`).
 
-Usage: python -m bench.gpu_check [--work .bench/gpu-check] [--only train,attention,bench,image]
+Usage: python -m bench.gpu_check [--work .bench/gpu-check] [--only train,attention,offload,liger,bench,image]
                                  [--image ghcr.io/sftjob/trainer:0.1.0] [--allow-no-gpu]
 """
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 from bench.bench_gpu import no_cuda_exit
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKS = ("train", "attention", "bench", "image")
+CHECKS = ("train", "attention", "offload", "liger", "bench", "image")
 
 
 class Failed(Exception):
@@ -175,6 +180,89 @@ def check_attention(args, torch) -> str:
             f"vs sdpa {sl:.5f}; worst gradient rel. diff {worst:.4f}; FSDP2 gathered bf16 over NCCL")
 
 
+# --------------------------------------------------------------------------- offload, liger
+
+
+def few_steps(torch, path: Path, device, steps: int = 5, **options) -> tuple[list[float], float]:
+    """Losses of ``steps`` AdamW steps on one fixed packed batch, and the peak GPU memory (GiB),
+    for the model built with ``options`` (offload=..., liger=...), on an initialised one-rank group."""
+    from sftjob_contract.config import LoraConfig, ModelConfig, OptimConfig
+    from sftjob_trainer.batching import MicroBatch
+    from sftjob_trainer.dist import World
+    from sftjob_trainer.errors import InvalidConfig
+    from sftjob_trainer.loss import ce_sum
+    from sftjob_trainer.model import build_model, check_device_options
+    from sftjob_trainer.optim import build_optimizer
+
+    offload, liger = options.get("offload", False), options.get("liger", False)
+    try:
+        check_device_options(liger, offload, device)
+    except InvalidConfig as err:  # e.g. liger-kernel missing from this environment
+        raise Failed(str(err)) from None
+    torch.manual_seed(0)
+    lengths = [1024, 2048, 512, 512]
+    ids = torch.randint(3, 5000, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], dim=1)
+    positions = torch.tensor([[p for n in lengths for p in range(n)]])
+    mb = MicroBatch(ids, targets, positions, None, [0], sum(lengths), sum(lengths) - 1, lengths)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cfg = ModelConfig(path=str(path), liger_kernel=liger)
+    model = build_model(cfg, LoraConfig(), str(path), World(0, 0, 1, device), precision="bf16", offload=offload)
+    opt = build_optimizer(model.parameters(), OptimConfig(lr=1e-4), fused=False)
+    out = []
+    for _ in range(steps):
+        ce = ce_sum(model, mb, device, "bf16")
+        (ce / mb.n_targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(ce.item() / mb.n_targets)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del model, opt
+    return out, peak
+
+
+def _one_rank_group(torch, args):
+    import torch.distributed as dist
+
+    from sftjob_trainer.dist import backend_for
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    pg_file = args.work / "pg"
+    pg_file.unlink(missing_ok=True)
+    dist.init_process_group(backend_for(device), init_method=f"file://{pg_file}", rank=0, world_size=1,
+                            device_id=device)
+    return device, dist
+
+
+def _compare(torch, args, option: str, rtol: float, lower: bool) -> str:
+    from bench.bench_gpu import prepare
+
+    _, path = prepare(args.work / "bench-gpu", 2000)
+    device, dist = _one_rank_group(torch, args)
+    try:
+        base, base_peak = few_steps(torch, path, device)
+        got, peak = few_steps(torch, path, device, **{option: True})
+    finally:
+        dist.destroy_process_group()
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, base))
+    expect(worst <= rtol, f"losses with {option} {got} vs without {base}: {worst:.1e} apart (> {rtol:g})")
+    expect(peak < base_peak if lower else peak <= base_peak * 1.02,
+           f"peak GPU memory {peak:.2f} GiB with {option}, {base_peak:.2f} GiB without")
+    return (f"losses {base[0]:.4f} -> {base[-1]:.4f} without, {got[0]:.4f} -> {got[-1]:.4f} with {option} "
+            f"(max rel. diff {worst:.1e}); peak GPU memory {base_peak:.2f} -> {peak:.2f} GiB")
+
+
+def check_offload(args, torch) -> str:
+    return _compare(torch, args, "offload", rtol=1e-3, lower=True)
+
+
+def check_liger(args, torch) -> str:
+    return _compare(torch, args, "liger", rtol=2e-2, lower=False)
+
+
 # --------------------------------------------------------------------------- bench, image
 
 
@@ -209,10 +297,13 @@ def check_image(args, torch) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench" / "gpu-check")
-    ap.add_argument("--only", default=",".join(CHECKS))
+    ap.add_argument("--only", default=",".join(CHECKS), help="comma-separated: " + ",".join(CHECKS))
     ap.add_argument("--image", default=os.environ.get("TRAINER_IMAGE", "ghcr.io/sftjob/trainer:0.1.0"))
     ap.add_argument("--allow-no-gpu", action="store_true", help="exit 0 (not 2) on a machine without CUDA")
     args = ap.parse_args()
+    unknown = [c for c in args.only.split(",") if c not in CHECKS]
+    if unknown:
+        ap.error(f"--only: unknown check(s) {','.join(unknown)}; choose from {','.join(CHECKS)}")
     import torch
 
     refused = no_cuda_exit("gpu-check", "checked", args.allow_no_gpu, "GPU_CHECK_SKIP=1 / --allow-no-gpu")
@@ -221,7 +312,8 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     t_all, failed = time.time(), []
     for name in args.only.split(","):
-        fn = {"train": check_train, "attention": check_attention, "bench": check_bench, "image": check_image}[name]
+        fn = {"train": check_train, "attention": check_attention, "offload": check_offload, "liger": check_liger,
+              "bench": check_bench, "image": check_image}[name]
         t0 = time.time()
         try:
             status, detail = "PASS", fn(args, torch)

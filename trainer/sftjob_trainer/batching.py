@@ -19,6 +19,8 @@ from sftjob_contract.config import DataConfig
 from .data import IGNORE, Sample, SFTDataset
 from .errors import InvalidData
 
+SP_FIELD = "trainer.sequence_parallel_size"
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -73,16 +75,16 @@ class GlobalBatches:
                  shard: Callable[[MicroBatch], MicroBatch] | None = None):
         """``rank``/``world``: the data-parallel ones (with sequence parallelism the ranks of an SP
         group share one); ``shard`` cuts this rank's slice out of each micro-batch (ulysses.py)."""
+        # With sequence parallelism the batch is split over the SP groups, not the processes.
+        what = "processes" if shard is None else f"data-parallel ranks (processes / {SP_FIELD})"
         if cfg.train_batch_size % world:
-            raise InvalidData(
-                f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number of data-parallel "
-                f"ranks ({world}: processes / trainer.sequence_parallel_size)"
-            )
+            raise InvalidData(f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number of "
+                              f"{what} ({world})")
         self.per_rank = cfg.train_batch_size // world
         if self.per_rank % cfg.micro_batch_size_per_gpu:
             raise InvalidData(
                 f"data.micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must divide the per-rank batch "
-                f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} data-parallel ranks)"
+                f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} {what})"
             )
         self.dataset, self.cfg, self.seed, self.rank, self.pad_id = dataset, cfg, seed, rank, pad_id
         self.shard = shard
