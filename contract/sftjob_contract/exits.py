@@ -19,6 +19,9 @@ REASON_INVALID_DATA = "InvalidData"
 REASON_TRAINING_ERROR = "TrainingError"
 REASON_PREEMPTED = "Preempted"
 REASON_SUCCEEDED = "Succeeded"
+# Succeeded, but before the last step: validation loss stopped improving
+# (trainer.early_stopping_patience); the message says at which step and why.
+REASON_EARLY_STOPPED = "EarlyStopped"
 # Object storage refused for a reason a retry cannot fix (access denied, no such bucket):
 # the message names the spec field whose URI or credentials are wrong.
 REASON_STORAGE_DENIED = "StorageDenied"

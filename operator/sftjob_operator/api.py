@@ -113,10 +113,10 @@ class LoraSpec(_LoraBase):  # type: ignore[misc,valid-type]
 
 # The trainer's `trainer` section minus what the operator derives: output_dir (from
 # spec.storage), save_freq, save_interval_s and keep_checkpoints (spec.checkpoint), metrics_port (the
-# operator scrapes it) and stop_timeout_s (spec.runPolicy.terminationGracePeriodSeconds).
+# operator scrapes it), stop_timeout_s (spec.runPolicy.terminationGracePeriodSeconds) and export (spec.output.export).
 # A key the trainer adds appears here by itself (and the CRD drift test asks for `make crds`).
 OPERATOR_OWNED_TRAINER_FIELDS = ("output_dir", "save_freq", "save_interval_s", "keep_checkpoints", "metrics_port",
-                                 "stop_timeout_s")
+                                 "stop_timeout_s", "export")
 TRAINING_RUN_FIELDS = [n for n in TrainerConfig.model_fields if n not in OPERATOR_OWNED_TRAINER_FIELDS]
 _TrainingBase = create_model(  # type: ignore[call-overload]
     "_TrainingBase", __base__=SpecModel,
@@ -221,6 +221,10 @@ class OutputSpec(SpecModel):
         default=LoraConfig.model_fields["merge_on_export"].default,
         description="LoRA runs: export the merged full model to hf/final as well as the adapter to hf/adapter.",
     )
+    export: Literal["last", "best"] = Field(
+        default=TrainerConfig.model_fields["export"].default,
+        description=_camel_text(TrainerConfig.model_fields["export"].description),
+    )
 
 
 # runPolicy.cleanPodPolicy (Kubeflow's names): which pods go when the job finishes.
@@ -275,18 +279,39 @@ class RunPolicy(SpecModel):
     )
 
 
+def _size_rules(nodes: str, name: str, when: str = "true") -> list[dict[str, Any]]:
+    """CEL rules that a gang of `nodes` pods (a CEL expression) can train this job: the
+    sequence-parallel size divides its world, and the global batch divides into equal
+    micro-batches over its data-parallel ranks (world / sequenceParallelSize). Checked at the
+    wanted size and at the elastic minimum (the sizes between are checked by the operator,
+    which skips a size that does not divide)."""
+    world = f"({nodes} * self.resources.processesPerNode)"
+    sp = "self.training.sequenceParallelSize"
+    return [
+        cel(f"!({when}) || {world} % {sp} == 0",
+            f"training.sequenceParallelSize must divide the world size at {name} ({name} * resources.processesPerNode)",
+            field_path=".training.sequenceParallelSize"),
+        cel(f"!({when}) || {world} % {sp} != 0 || self.data.trainBatchSize % ({world} / {sp} "
+            "* self.data.microBatchSizePerGpu) == 0",
+            "data.trainBatchSize must be a multiple of data.microBatchSizePerGpu times the data-parallel size at "
+            f"{name} ({name} * resources.processesPerNode / training.sequenceParallelSize)",
+            field_path=".data.trainBatchSize"),
+    ]
+
+
 class SFTJobSpec(SpecModel):
     """A supervised fine-tuning run: model + data + training config, run as a gang of pods."""
 
     model_config = ConfigDict(json_schema_extra=rules(
-        cel("self.resources.nodes * self.resources.processesPerNode * self.data.microBatchSizePerGpu <= 0"
-             " || self.data.trainBatchSize % (self.resources.nodes * self.resources.processesPerNode"
-             " * self.data.microBatchSizePerGpu) == 0",
-             "data.trainBatchSize must be a multiple of data.microBatchSizePerGpu times the world size "
-             "(resources.nodes * resources.processesPerNode)",
-             field_path=".data.trainBatchSize"),
-        cel("self.resources.nodes == oldSelf.resources.nodes", "resources.nodes is immutable",
-             field_path=".resources.nodes"),
+        *_size_rules("self.resources.nodes", "resources.nodes"),
+        *_size_rules("(has(self.resources.minNodes) ? self.resources.minNodes : self.resources.nodes)",
+                     "resources.minNodes", when="has(self.resources.minNodes)"),
+        cel("!self.training.cpuOffload || self.resources.gpusPerNode > 0",
+             "training.cpuOffload needs a GPU job (resources.gpusPerNode > 0): on a CPU job the states already live "
+             "in host memory", field_path=".training.cpuOffload"),
+        cel("!self.model.ligerKernel || self.resources.gpusPerNode > 0",
+             "model.ligerKernel needs a GPU job (resources.gpusPerNode > 0): Liger's kernels are Triton GPU kernels",
+             field_path=".model.ligerKernel"),
         cel("self.resources.processesPerNode == oldSelf.resources.processesPerNode",
              "resources.processesPerNode is immutable", field_path=".resources.processesPerNode"),
         cel("!has(self.storage.endpoint) || self.storage.uri.startsWith('s3://')",

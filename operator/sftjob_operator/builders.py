@@ -17,7 +17,7 @@ from sftjob_contract import command, layout
 from sftjob_contract import env as E
 from sftjob_contract.config import SFTConfig
 
-from . import api
+from . import api, sizes
 from .resources import EnvVar
 
 LABEL_JOB = "sftjob.io/job-name"
@@ -126,12 +126,9 @@ def elastic_shutdown_timeout(spec: api.SFTJobSpec) -> int:
 
 def trainer_config(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRICS_PORT) -> dict[str, Any]:
     """The trainer's SFTConfig as a plain dict, validated by the trainer's own model."""
-    world = spec.resources.nodes * spec.resources.processes_per_node
-    if spec.data.train_batch_size % (world * spec.data.micro_batch_size_per_gpu):
-        # The CRD's CEL rule says the same at admission; this catches objects stored before it.
-        raise InvalidSpec(f"spec.data.trainBatchSize ({spec.data.train_batch_size}) must be a multiple of "
-                          f"spec.data.microBatchSizePerGpu ({spec.data.micro_batch_size_per_gpu}) times the "
-                          f"world size ({world})")
+    problem = sizes.misfit(spec, spec.resources.nodes)
+    if problem:   # the CRD's CEL rules say the same at admission; this catches objects stored before them
+        raise InvalidSpec(problem)
     training = spec.training.model_dump(exclude_none=True)
     optim = training.pop("optim")
     lora = {**training.pop("lora"), "merge_on_export": spec.output.merge_lora}
@@ -148,6 +145,7 @@ def trainer_config(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRIC
             "keep_checkpoints": spec.checkpoint.keep,
             "metrics_port": metrics_port,
             "stop_timeout_s": stop_timeout_s(spec),
+            "export": spec.output.export,
         },
     }
     try:

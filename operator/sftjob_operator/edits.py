@@ -6,6 +6,8 @@ Three kinds of field:
 - **never**: the API server refuses the edit (a CEL rule): what the run is (model, data,
   training, storage) and the gang's shape.
 - **now**: read by the operator on every pass (run policy, suspend).
+- **resize**: `resources.nodes`, the size an elastic job wants (elastic.py): the running gang
+  checkpoints and stops, and the next one starts at the new size.
 - **restart**: built into the pods or the trainer's configuration (image, resources,
   scheduling, environment, checkpointing, the export): the running gang keeps what it was
   started with; the next gang (a restart, or a suspend and resume) gets the edit.
@@ -27,12 +29,13 @@ from .phases import TERMINAL, Phase
 from .status import SFTJobStatus
 
 NEVER, NOW, RESTART = "never", "now", "at the gang's next start"
+RESIZE = "at a checkpoint: the gang checkpoints, stops and resumes at the new size"
 
 # Dotted spec paths (camelCase, as in the CRD) -> when an edit of it takes effect. The most
 # specific path wins; every field of the CRD is covered by one entry (a test checks).
 WHEN: dict[str, str] = {
     "model": NEVER, "data": NEVER, "training": NEVER, "storage": NEVER,
-    "resources": RESTART, "resources.nodes": NEVER, "resources.processesPerNode": NEVER,
+    "resources": RESTART, "resources.nodes": RESIZE, "resources.minNodes": NOW, "resources.processesPerNode": NEVER,
     "checkpoint": RESTART,
     "output": RESTART,
     "runPolicy": NOW, "runPolicy.terminationGracePeriodSeconds": RESTART,
@@ -62,9 +65,12 @@ def _restart_paths() -> list[str]:
 
 def fingerprint(spec: api.SFTJobSpec) -> dict[str, str]:
     """A digest per restart-applied field group, as the gang is launched with it. Fields a
-    more specific entry claims (resources.nodes is never edited) are left in: unchanged."""
+    more specific entry claims are left in (an edit of resources.nodes shows as spec.resources waiting
+    until the resize)."""
     out = {}
-    wire = spec.model_dump(by_alias=True, mode="json")   # once per pass, not once per group
+    # Once per pass, not once per group; fields at their defaults left out, so that a field a
+    # newer CRD adds (the API server fills in its default) does not look like an edit.
+    wire = spec.model_dump(by_alias=True, mode="json", exclude_defaults=True)
     for path in _restart_paths():
         text = json.dumps(_value(wire, path), sort_keys=True)
         out[path] = hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -83,7 +83,7 @@ class PodOutcome:
     permanent: bool = False   # FAILED only: the same spec and data would fail again
 
 
-def _terminated(pod: dict[str, Any]) -> dict[str, Any] | None:
+def terminated_state(pod: dict[str, Any]) -> dict[str, Any] | None:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
         term = (cs.get("state") or {}).get("terminated")
         if term:
@@ -132,7 +132,7 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
     """
     status = pod.get("status") or {}
     phase = status.get("phase", PodPhase.PENDING)
-    term = _terminated(pod)
+    term = terminated_state(pod)
     exit_code = term.get("exitCode") if term else None
     t_reason, t_message = parse_termination_message(term.get("message") if term else None)
 
@@ -293,7 +293,7 @@ LEASE_CLOCK_SLACK_S = 1.0
 
 
 def _finished_at(pod: dict[str, Any] | None) -> datetime | None:
-    term = _terminated(pod) if pod else None
+    term = terminated_state(pod) if pod else None
     return observed_time(term.get("finishedAt")) if term else None
 
 

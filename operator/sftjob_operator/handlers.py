@@ -218,6 +218,14 @@ def _nodes(pods: list[dict[str, Any]], *phases: str) -> set[str]:
     return {p["spec"]["nodeName"] for p in pods if p["spec"].get("nodeName") and _phase(p) in phases}
 
 
+def _resizable(body: dict[str, Any]) -> bool:
+    """Whether the job may change size (elastic, or running at another size than it wants):
+    only then are the cluster's Nodes read for it."""
+    res = (body.get("spec") or {}).get("resources") or {}
+    nodes, running = res.get("nodes", 1), (body.get("status") or {}).get("nodes")
+    return res.get("minNodes", nodes) < nodes or running not in (None, nodes)
+
+
 async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[str, Any]]):
     attempt = status.parse(body.get("status")).attempt
     gang = [p for p in pods if builders.pod_attempt(p) == attempt]
@@ -294,8 +302,9 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         return None
     pods = await rt.kube.list_pods(namespace, name)
     node_ready, leases, scraped = await _observe(rt, key, body, pods)
+    cluster_nodes = await rt.kube.list_nodes() if _resizable(body) else None
     plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped, node_leases=leases,
-                          observing_since=rt.observing_since)
+                          observing_since=rt.observing_since, cluster_nodes=cluster_nodes)
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     rejection = await _apply(rt, key, body, plan, uids)
     if rejection is not None:
@@ -306,7 +315,7 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
             return plan
         pods = await rt.kube.list_pods(namespace, name)
         plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection, leases,
-                              rt.observing_since)
+                              rt.observing_since, cluster_nodes)
         await _apply(rt, key, body, plan, {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods})
     return plan
 

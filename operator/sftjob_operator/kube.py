@@ -59,6 +59,7 @@ class Kube:
         self._nodes: dict[str, tuple[float, NodeReadiness | None]] = {}
         self._nodes_forbidden = False
         self._leases_forbidden = False
+        self._node_list: tuple[float, list[dict[str, Any]] | None] = (-1e9, None)
 
     @staticmethod
     async def _call(fn, *args, **kwargs) -> Any:
@@ -230,6 +231,20 @@ class Kube:
             if ready is not None:
                 out[name] = ready
         return out
+
+    async def list_nodes(self) -> list[dict[str, Any]] | None:
+        """Every Node (cached 5 s), for an elastic job's sizing; None when RBAC forbids listing."""
+        now = time.monotonic()
+        if now - self._node_list[0] < 5.0:
+            return self._node_list[1]
+        try:
+            items: list[dict[str, Any]] | None = (await self._call(self.core.list_node)).get("items") or []
+        except ApiException as err:
+            if err.status != 403:
+                raise
+            items = None
+        self._node_list = (now, items)
+        return items
 
     async def post_event(self, body: dict[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on the SFTJob (what `kubectl describe sft` shows)."""

@@ -32,6 +32,9 @@ METRICS: dict[str, tuple[str, type]] = {
     M.EPOCH: ("epoch", int),
     M.LOSS: ("loss", float),
     M.TOKENS_PER_SECOND: ("tokensPerSecond", float),
+    M.VAL_LOSS: ("valLoss", float),
+    M.BEST_VAL_LOSS: ("bestValLoss", float),
+    M.BEST_VAL_STEP: ("bestValStep", int),
     M.LAST_CHECKPOINT_STEP: ("lastCheckpointStep", int),
     # Counters: Prometheus exposes them with the _total suffix.
     M.SKIPPED_STEPS + M.COUNTER_SUFFIX: ("skippedSteps", int),

@@ -25,7 +25,7 @@ from typing import Any
 
 from sftjob_contract import layout
 
-from . import builders, deadlines, edits, eta, failure_policy as fp
+from . import builders, deadlines, edits, elastic, eta, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
 from . import queueing, stale, success, suspend, ttl
@@ -49,7 +49,7 @@ class _Pass:
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], now: datetime,
                  node_ready: dict[str, fp.NodeReadiness] | None, metrics: dict[str, float] | None,
                  rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
-                 observing_since: datetime | None = None):
+                 observing_since: datetime | None = None, cluster_nodes: list[dict[str, Any]] | None = None):
         self.body = body
         self.meta = body["metadata"]
         self.job = builders.JobRef.from_body(body)
@@ -64,6 +64,7 @@ class _Pass:
         self.metrics = metrics
         self.rejection = rejection
         self.observing_since = observing_since
+        self.cluster_nodes = cluster_nodes   # the cluster's Nodes, read for an elastic job (elastic.py)
         self.queued = False   # the current gang waits for Kueue's admission (judge)
         self.plan = Plan()
 
@@ -168,7 +169,9 @@ class _Pass:
             if self.rejection is not None:
                 self.rejected(self.rejection, current)
                 return
-            if len(current) < self.spec.resources.nodes:
+            if not current:
+                elastic.size_new_gang(self)
+            if len(current) < self.size:
                 self.launch(attempt, current)
                 return
             # Every rank exists but the launch was never recorded: adopt the gang.
@@ -188,10 +191,16 @@ class _Pass:
             elif not pod.force_delete and self.st.phase in (Phase.PENDING, Phase.RESTARTING):
                 self.set_phase(self.st.phase, c.REASON_TERMINATING, pod.message)
 
+    @property
+    def size(self) -> int:
+        """Pods in the current gang (an elastic job's size; else resources.nodes)."""
+        return self.st.nodes or self.spec.resources.nodes
+
     def launch(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
-        nodes = self.spec.resources.nodes
+        nodes = self.size
         group = queueing.pod_group(self.meta, self.job.uid, attempt, nodes)
-        self.plan.launch = [builders.build_pod(self.job, self.spec, r, attempt, group=group)
+        gang_spec = elastic.gang_spec(self.spec, nodes)
+        self.plan.launch = [builders.build_pod(self.job, gang_spec, r, attempt, group=group)
                             for r in range(nodes) if r not in current]
         if group[0]:
             name = group[0][queueing.GROUP_LABEL]
@@ -247,7 +256,7 @@ class _Pass:
         return admission.queued
 
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
-        nodes = self.spec.resources.nodes
+        nodes = self.size
         self.queued = self.track_admission(current)
         outcomes = {r: fp.classify_pod(p, fp.node_ready_for(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", ""))))
                     for r, p in current.items()}
@@ -262,13 +271,7 @@ class _Pass:
             self.fail(verdict.reason, f"{verdict.message} (a deterministic error: the trainer exited 2, and "
                       "retrying cannot help; fix the spec or the data and create the job again)")
         elif verdict.verdict is fp.Verdict.SUCCEEDED:
-            uri = self.st.output.uri or builders.model_uri(self.job, self.spec)   # the gang's, set at launch
-            self.st.output.uri = uri
-            self.st.completion_time = iso(self.now)
-            self.st.progress = eta.finished(success.final_progress(self.st.progress))
-            self.set_phase(Phase.SUCCEEDED, c.REASON_SUCCEEDED, f"model exported to {uri}")
-            self.event("Normal", c.REASON_SUCCEEDED, f"every rank exited 0; model exported to {uri}")
-            self.cleanup_finished()
+            success.apply(self, current)
         elif verdict.verdict is fp.Verdict.RESTART_FAILED:
             self.attempt_failed(verdict, current)
         elif verdict.verdict is fp.Verdict.RESTART_PREEMPTED:
@@ -279,7 +282,8 @@ class _Pass:
             else:
                 self.restart(RestartCause.PREEMPTION, verdict, current)
         elif verdict.verdict is fp.Verdict.STARTING:
-            self.starting(verdict)
+            if not elastic.shrink_starting(self, verdict.stuck_reason, current):
+                self.starting(verdict)
         else:
             if self.st.phase != Phase.RUNNING:
                 self.set_phase(Phase.RUNNING, c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
@@ -289,7 +293,8 @@ class _Pass:
                 self.st.progress = eta.update(self.st.progress, prog.merge(self.st.progress, self.metrics, iso(
                     self.now)), self.st.attempt, self.now, parse_time(self.meta.get("creationTimestamp")))
             self.requeue(PROGRESS_INTERVAL_S)
-            self.watchdog(current)
+            if not elastic.resize_running(self, current):
+                self.watchdog(current)
 
     def starting(self, verdict: fp.GangVerdict) -> None:
         """Pods not all running yet: say what they wait for; fail at the startup deadline."""
@@ -378,11 +383,12 @@ class _Pass:
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,
          node_ready: dict[str, fp.NodeReadiness] | None = None, metrics: dict[str, float] | None = None,
          rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
-         observing_since: datetime | None = None) -> Plan:
+         observing_since: datetime | None = None, cluster_nodes: list[dict[str, Any]] | None = None) -> Plan:
     """Decide what to do for one SFTJob given its pods (see module docstring). `node_ready`:
     the Ready condition of the nodes of pending and running pods. `rejection`: the API server refused to create a pod of the current attempt.
     `node_leases`: the heartbeats of the nodes of running pods, read when a rank has failed
     (failure_policy.settle_generic_failure). `observing_since`: when this operator process
-    began watching (deadlines.progress_left)."""
+    began watching (deadlines.progress_left). `cluster_nodes`: the Nodes, read for a job
+    that may change size (elastic.py); None: not read."""
     return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics, rejection, node_leases,
-                 observing_since).run()
+                 observing_since, cluster_nodes).run()

@@ -129,9 +129,27 @@ class ResourcesSpec(SpecModel):
         cel("!has(self.gpusPerNode) || self.gpusPerNode == 0 || !has(self.processesPerNode) || "
             "self.processesPerNode <= self.gpusPerNode",
             "resources.processesPerNode must not exceed resources.gpusPerNode on a GPU job (one device per process)",
-            field_path=".processesPerNode")))
+            field_path=".processesPerNode"),
+        cel("!has(self.minNodes) || self.minNodes <= (has(self.nodes) ? self.nodes : 1)",
+            "resources.minNodes must not exceed resources.nodes", field_path=".minNodes")))
 
-    nodes: int = Field(default=1, ge=1, le=1024, description="Training pods (one per node rank). Immutable.")
+    nodes: int = Field(
+        default=1, ge=1, le=1024,
+        description="Training pods (one per node rank): the size the job wants. An edit resizes a running job at a "
+        "checkpoint (it checkpoints, stops and resumes at the new size); the global batch stays the same.",
+    )
+    min_nodes: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="Elastic jobs: the fewest pods the job may run at. When a gang must restart and only k < nodes "
+        "pods can run (lost nodes, no quota), the job resumes at the largest size k >= minNodes instead of waiting, "
+        "and grows back at a checkpoint when capacity returns. Unset: nodes (a fixed-size job).",
+    )
+    resize_cooldown_seconds: int = Field(
+        default=300, ge=0, le=86400,
+        description="Elastic jobs: the least time between a gang's start and a resize that grows it, so that the "
+        "job does not thrash between sizes (each resize costs a checkpoint and a restart). Shrinking for lost "
+        "capacity and a user's edit of nodes are not delayed.",
+    )
     processes_per_node: int = Field(
         default=1, ge=1, le=64,
         description="Trainer processes per pod (torchrun --nproc-per-node), usually the GPUs per pod. Immutable.",

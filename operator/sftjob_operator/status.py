@@ -71,6 +71,19 @@ class RestartCounts(StatusModel):
         self.total = self.failures + self.preemptions
 
 
+class ResizeStatus(StatusModel):
+    """Resizes of an elastic job's gang (elastic.py), counted apart from restarts."""
+
+    count: int = Field(default=0, description="Times the gang changed size (a shrink for lost capacity, a grow when "
+                       "it returned, or an edit of resources.nodes). Neither failures nor preemptions.")
+    last_reason: str | None = Field(default=None, description="Why the last resize happened (CapacityLost, "
+                                    "NotAllScheduled, CapacityReturned or SpecChanged).")
+    last_message: str | None = Field(default=None, description="The last resize, in words.")
+    last_from: int | None = Field(default=None, description="Pods before the last resize.")
+    last_to: int | None = Field(default=None, description="Pods after the last resize.")
+    last_time: str | None = Field(default=None, description="When the last resize was decided (RFC 3339).")
+
+
 class Progress(StatusModel):
     """Training progress mirrored from the rank-0 trainer's metrics endpoint."""
 
@@ -87,6 +100,10 @@ class Progress(StatusModel):
         default=None, description="Checkpoint commits of the current attempt that failed (retried; "
         "trainer.maxFailedCommits in a row end the run). lastCheckpointStep counts only committed ones.")
     tokens_per_second: float | None = Field(default=None, description="Latest training throughput (all ranks).")
+    val_loss: float | None = Field(default=None, description="Latest validation loss.")
+    best_val_loss: float | None = Field(default=None, description="Lowest validation loss so far (what "
+                                        "output.export best exports; early stopping compares against it).")
+    best_val_step: int | None = Field(default=None, description="The step of bestValLoss.")
     last_checkpoint_step: int | None = Field(default=None, description="Step of the newest committed checkpoint.")
     summary: str | None = Field(default=None, description="step/totalSteps, as shown by kubectl get.")
     percent: float | None = Field(default=None, description="Percent of the run's steps done.")
@@ -125,6 +142,11 @@ class SFTJobStatus(StatusModel):
     start_time: str | None = Field(default=None, description="When all pods of the job first ran (reset on suspend).")
     completion_time: str | None = Field(default=None, description="When the job succeeded or failed.")
     output: OutputStatus = Field(default_factory=OutputStatus, description="Where the results are.")
+    nodes: int | None = Field(default=None, description="Pods in the current gang: the size it was started at "
+                              "(an elastic job may run below spec.resources.nodes).")
+    sized_attempt: int | None = Field(default=None, description="The attempt `nodes` was decided for.")
+    resizes: ResizeStatus | None = Field(default=None, description="Resizes of the gang (elastic jobs); absent "
+                                         "until the first.")
     attempt: int = Field(
         default=0,
         description="Gang generation: grows whenever the pods are torn down (restart or suspend). Pods "

@@ -154,6 +154,11 @@ async def _get_node(ctx):
     await asyncio.to_thread(ctx.kube.core.read_node, ctx.node, _preload_content=False)
 
 
+async def _list_nodes(ctx):
+    # list_nodes() turns a 403 into None (no elastic sizing); the probe lets it through.
+    await asyncio.to_thread(ctx.kube.core.list_node, limit=1, _preload_content=False)
+
+
 def _lease_lock(ctx: ProbeContext) -> LeaseLock:
     return LeaseLock(ctx.namespace, ctx.lease, ctx.kube.client)
 
@@ -227,6 +232,8 @@ NEEDS: dict[tuple[str, str, str], tuple[str, Probe]] = {
         "serves a CRD it did not see at start-up", _watch("crds")),
     ("", "nodes", "get"): ("kube.node_ready: a NotReady node restarts the gang at once (rbac.readNodes)",
                            _get_node),
+    ("", "nodes", "list"): ("kube.list_nodes: how many nodes can host a pod of an elastic job (rbac.readNodes)",
+                            _list_nodes),
     # Leader election (leader.py), in the release namespace, on the one Lease by name
     # (create cannot be limited by name).
     ("coordination.k8s.io", "leases", "get"): (

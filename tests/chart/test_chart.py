@@ -216,6 +216,7 @@ def test_rbac_grants_exactly_the_needed_verbs():
                                         "ClusterRole")["rules"])
     # Options: nodes off; finalizers on (OwnerReferencesPermissionEnforcement clusters).
     assert ("", "nodes", "get") not in granted(one(render({"rbac.readNodes": "false"}), "ClusterRole")["rules"])
+    assert ("", "nodes", "list") not in granted(one(render({"rbac.readNodes": "false"}), "ClusterRole")["rules"])
     extra = granted(one(render(ALL_ON), "ClusterRole")["rules"]) - set(NEEDS)
     assert extra == {("sftjob.io", "sftjobs/finalizers", "update")}
     assert not find(render({"rbac.create": "false"}), "ClusterRole")

@@ -49,7 +49,7 @@ def test_status_prunes_unknown_fields_and_has_subresource():
     assert "x-kubernetes-preserve-unknown-fields" not in status
     assert "restartAfter" in status["properties"] and "launchedAttempt" in status["properties"]
     cols = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert cols == ["Phase", "Reason", "Step", "Done%", "Loss", "Restarts", "Age"]
+    assert cols == ["Phase", "Reason", "Step", "Done%", "Loss", "Restarts", "Nodes", "Age"]
 
 
 def test_names():

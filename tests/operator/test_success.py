@@ -20,3 +20,22 @@ pytestmark = pytest.mark.unit
 ])
 def test_final_progress(before, after):
     assert success.final_progress(before) == after
+
+
+def test_early_stop_succeeds_with_its_reason_and_keeps_the_step():
+    from .op_testkit import apply, at, cond, running_job, terminated
+
+    body, pods = running_job()
+    body["status"]["progress"] = {"step": 8, "totalSteps": 20, "summary": "8/20"}
+    why = "stopped early at step 8 of 20: 3 validations in a row without a lower validation loss"
+    done = [terminated(pods[0], 0, f"EarlyStopped: {why}; model exported to s3://runs/x/hf/final"),
+            terminated(pods[1], 0)]
+    from sftjob_operator import reconcile
+
+    st = apply(body, reconcile.plan(body, done, at(60)))["status"]
+    assert st["phase"] == "Succeeded" and cond(st, "Ready")["reason"] == "EarlyStopped"
+    assert why in st["message"] and st["progress"]["step"] == 8
+    # an ordinary success still claims the last step
+    plain = [terminated(pods[0], 0, "Succeeded: model exported to s3://runs/x/hf/final"), terminated(pods[1], 0)]
+    st = apply(body, reconcile.plan(body, plain, at(60)))["status"]
+    assert cond(st, "Ready")["reason"] == "TrainingSucceeded" and st["progress"]["step"] == 20

@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg) -> int:
     from . import dist as dist_utils
+    from .early_stop import stopped_early
     from .train import Preempted, StopFlag, Trainer
 
     stop = StopFlag()
@@ -106,7 +107,9 @@ def run(cfg) -> int:
         trainer = Trainer(cfg, world, stop)
         final = trainer.train()
         if world.is_main:
-            msg = f"{exits.REASON_SUCCEEDED}: model exported to {final}"
+            early = stopped_early(cfg.trainer, trainer.state, trainer.total_steps)
+            msg = (f"{exits.REASON_EARLY_STOPPED}: {early}; model exported to {final}" if early
+                   else f"{exits.REASON_SUCCEEDED}: model exported to {final}")
             log.info("%s (%.0fs)", msg, time.time() - t0)
             print(f"model: {final}", flush=True)
             write_termination_message(msg)

@@ -92,7 +92,7 @@ each away and name the operator code path that breaks (tests/chart/rbac_needs.py
 {{- if .Values.rbac.readNodes }}
 - apiGroups: [""]
   resources: ["nodes"]
-  verbs: ["get"]
+  verbs: ["get", "list"]
 {{- end }}
 {{- end }}
 
