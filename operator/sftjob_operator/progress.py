@@ -15,13 +15,14 @@ import asyncio
 import logging
 import math
 import time
+from datetime import datetime, timezone
 from typing import Callable, Hashable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from sftjob_contract import metrics as M
 
-from .status import Progress
+from .status import TIME_FORMAT, Progress
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ METRICS: dict[str, tuple[str, type]] = {
     M.BEST_VAL_LOSS: ("bestValLoss", float),
     M.BEST_VAL_STEP: ("bestValStep", int),
     M.LAST_CHECKPOINT_STEP: ("lastCheckpointStep", int),
+    M.LAST_CHECKPOINT_TIMESTAMP_SECONDS: ("lastCheckpointTime", float),   # epoch seconds -> RFC 3339 in merge()
     # Counters: Prometheus exposes them with the _total suffix.
     M.SKIPPED_STEPS + M.COUNTER_SUFFIX: ("skippedSteps", int),
     M.FAILED_CHECKPOINT_COMMITS + M.COUNTER_SUFFIX: ("failedCheckpointCommits", int),
@@ -79,6 +81,9 @@ def merge(progress: Progress, metrics: dict[str, float], now: str) -> Progress:
         return progress
     metrics = dict(metrics)
     loss = metrics.pop("loss", None)
+    committed = metrics.pop("lastCheckpointTime", None)
+    if committed:
+        metrics["lastCheckpointTime"] = datetime.fromtimestamp(committed, timezone.utc).strftime(TIME_FORMAT)
     new = Progress.model_validate({**progress.model_dump(by_alias=True, exclude_none=True), **metrics})
     if loss is not None and math.isfinite(loss):
         new.loss, new.non_finite_loss = loss, None
@@ -91,6 +96,8 @@ def merge(progress: Progress, metrics: dict[str, float], now: str) -> Progress:
     if new.tokens_per_second is not None:
         new.tokens_per_second = round(new.tokens_per_second, 1)
     new.summary = summary(new.step, new.total_steps)
+    if new.step is not None:   # the work a preemption would cost now (a restart resumes from the checkpoint)
+        new.steps_since_checkpoint = new.step - (new.last_checkpoint_step or 0)
     stamps = {"updated_time", "last_step_time"}
     if new.model_dump(exclude=stamps) != progress.model_dump(exclude=stamps):
         new.updated_time = now

@@ -105,6 +105,10 @@ class Progress(StatusModel):
                                         "output.export best exports; early stopping compares against it).")
     best_val_step: int | None = Field(default=None, description="The step of bestValLoss.")
     last_checkpoint_step: int | None = Field(default=None, description="Step of the newest committed checkpoint.")
+    last_checkpoint_time: str | None = Field(default=None, description="When it committed (RFC 3339).")
+    steps_since_checkpoint: int | None = Field(
+        default=None, description="Steps trained since the newest committed checkpoint: the work a preemption "
+        "without a SIGTERM checkpoint (a lost node, SIGKILL) would cost now.")
     summary: str | None = Field(default=None, description="step/totalSteps, as shown by kubectl get.")
     percent: float | None = Field(default=None, description="Percent of the run's steps done.")
     seconds_per_step: float | None = Field(

@@ -192,3 +192,13 @@ def test_a_trainer_that_opens_its_port_late_is_read_within_an_interval():
                 await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_work_at_risk_is_the_steps_and_time_since_the_last_commit():
+    from sftjob_operator.progress import merge
+    from sftjob_operator.status import Progress
+
+    p = merge(Progress(), {"step": 17, "totalSteps": 40, "lastCheckpointStep": 15,
+                           "lastCheckpointTime": 1767268800.0}, "2026-01-01T12:00:05Z")
+    assert p.steps_since_checkpoint == 2 and p.last_checkpoint_time == "2026-01-01T12:00:00Z"
+    assert merge(Progress(), {"step": 3, "totalSteps": 40}, "t").steps_since_checkpoint == 3
