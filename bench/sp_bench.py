@@ -2,7 +2,7 @@
 """Longest trainable sample and throughput with Ulysses sequence parallelism, 2 CPU ranks.
 
 A benchmark, not a test. Builds (once, under --work) a random Llama-shaped model from
-bench/model_config.json (hidden 384, 6 layers, 6 heads / 2 KV heads, 8192 vocab: ~17M
+bench/model_config.json (hidden 384, 6 layers, 6 heads / 2 KV heads, 8192 vocab: ~16M
 parameters, small enough that activations, not weights, decide the memory) next to the tiny
 assets' tokenizer, and parquet data whose every row is one sample of exactly L tokens. Then for
 each sequence-parallel size (1 and 2, both on 2 processes: at sp=1 each rank trains a whole
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +64,25 @@ def write_data(work: Path, length: int) -> Path:
     return path
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (found through /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_point(work: Path, model: Path, sp: int, length: int, steps: int, max_s: float) -> dict:
     data = write_data(work, length)
     out = work / f"out-sp{sp}-{length}"
@@ -75,14 +95,17 @@ def run_point(work: Path, model: Path, sp: int, length: int, steps: int, max_s: 
            *[f"{k}={v}" for k, v in args.items()]]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
     t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max_s, env=env, cwd=ROOT)
+        output, _ = proc.communicate(timeout=max_s)
     except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # torchrun's ranks run in sessions of their own: a timeout must not leave them on
+        proc.communicate()
         return {"sp": sp, "length": length, "ok": False, "why": f"over {max_s:.0f}s"}
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
     rows = [r for r in rows if "loss" in r]
     if proc.returncode != 0 or not rows:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        tail = output.strip().splitlines()[-1:] or [""]
         return {"sp": sp, "length": length, "ok": False, "why": f"exit {proc.returncode}: {tail[0][:200]}"}
     return {"sp": sp, "length": length, "ok": True, "rss_mb": max(r["max_rss_mb"] for r in rows),
             "tokens_per_s": rows[-1]["tokens_per_s"], "loss": rows[-1]["loss"], "wall_s": round(time.time() - t0)}
