@@ -70,7 +70,7 @@ BUDS = {
     # The CPU/local variant: both stages on the base, no flash-attn (so no nvcc).
     "trainer": Bud("images/trainer/Dockerfile",
                    {"BUILD_IMAGE": _BASE_IMAGE, "BUILD_TAG": _BASE_TAG, "RUNTIME_IMAGE": _BASE_IMAGE,
-                    "RUNTIME_TAG": _BASE_TAG, "FLASH_ATTN_VERSION": ""}),
+                    "RUNTIME_TAG": _BASE_TAG, "FLASH_ATTN_VERSION": "", "LIGER_KERNEL_VERSION": ""}),
 }
 
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
