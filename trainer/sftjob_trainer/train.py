@@ -14,6 +14,7 @@ from sftjob_contract.config import SFTConfig
 
 from . import checkpoint as ckpt
 from . import dist as dist_utils
+from . import early_stop
 from .data import SampleBuilder, SFTDataset
 from .batching import GlobalBatches, eval_batches
 from .dist import World
@@ -21,7 +22,8 @@ from .errors import CheckpointFailed, InvalidConfig, NonFiniteLoss, TrainerError
 from .export import export
 from .loss import ce_sum
 from .metrics import Metrics, step_flops
-from .model import attention_dims, build_model, matmul_params
+from . import ulysses
+from .model import attention_dims, build_model, check_device_options, matmul_params
 from .optim import build_optimizer, set_lr
 from .outputs import Outputs
 from .precision import use_widened_bf16
@@ -65,6 +67,8 @@ class Trainer:
     def __init__(self, cfg: SFTConfig, world: World, stop: StopFlag):
         from transformers import AutoTokenizer
 
+        check_device_options(cfg.model.liger_kernel, cfg.trainer.cpu_offload, world.device)
+        world = ulysses.setup(world, cfg.trainer.sequence_parallel_size)  # the dp x sp grid (ulysses.py)
         self.cfg, self.world, self.stop = cfg, world, stop
         self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
                                     cfg.trainer.upload_timeout_s, cfg.trainer.max_failed_commits)
@@ -80,15 +84,19 @@ class Trainer:
         self.train_ds = SFTDataset(cfg.data.train_files, builder, "train", world.rank, world.size, self.outputs)
         self.val_ds = (SFTDataset(cfg.data.val_files, builder, "val", world.rank, world.size, self.outputs)
                        if cfg.data.val_files else None)
-        self.batches = GlobalBatches(self.train_ds, cfg.data, cfg.trainer.seed, world.rank, world.size, pad_id)
+        self.shard = ulysses.sharder(world, pad_id)
+        self.batches = GlobalBatches(self.train_ds, cfg.data, cfg.trainer.seed, world.dp_rank, world.dp_size, pad_id,
+                                     self.shard)
         self.pad_id = pad_id
         self.total_steps = cfg.trainer.total_training_steps or self.batches.steps_per_epoch * cfg.trainer.total_epochs
 
         torch.manual_seed(cfg.trainer.seed)
         widen = use_widened_bf16(world.device, cfg.trainer.precision, cfg.trainer.cpu_bf16_gemm)
         self.model = build_model(cfg.model, cfg.lora, model_path, world, widen_bf16=widen,
-                                 precision=cfg.trainer.precision, compiled=cfg.trainer.compile)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim, fused=world.size == 1)
+                                 precision=cfg.trainer.precision, compiled=cfg.trainer.compile,
+                                 offload=cfg.trainer.cpu_offload)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim,
+                                         fused=world.size == 1 and not cfg.trainer.cpu_offload)
         self.n_matmul = matmul_params(self.model)
         self.n_layers, self.d_attn = attention_dims(self.model)
 
@@ -161,7 +169,10 @@ class Trainer:
 
     def train(self) -> str:
         cfg = self.cfg.trainer
-        while self.state.step < self.total_steps:
+        self.checkpoints.keep_best = cfg.export == "best"
+        self.metrics.gauge(**early_stop.gauges(self.state))  # a resumed run shows what it knew
+        first_step = self.state.step
+        while self.state.step < self.total_steps and not early_stop.should_stop(cfg, self.state):
             micro_batches = self.batches.step_batches(self.state.epoch, self.state.cursor)
             # One all-reduce per step carries the token counts, the SIGTERM flag, rank 0's
             # save_interval_s decision and any rank's failed checkpoint commit, so every rank
@@ -174,10 +185,17 @@ class Trainer:
             if stops:
                 raise Preempted(self._stop_checkpoint())
             self._train_step(micro_batches, n_targets, n_tokens)
-            if (cfg.save_freq and self.state.step % cfg.save_freq == 0) or interval_due:
-                self.save()
+            # Validate first: the checkpoint of this step then carries the early-stopping count.
             if self.val_ds is not None and cfg.test_freq and self.state.step % cfg.test_freq == 0:
                 self.validate()
+            if ((cfg.save_freq and self.state.step % cfg.save_freq == 0) or interval_due
+                    or (cfg.export == "best" and early_stop.is_new_best(self.state))):
+                self.save()
+        if reason := early_stop.stopped_early(cfg, self.state, self.total_steps):
+            log.info("early stopping: %s", reason)
+            self.metrics.gauge(early_stopped=1)
+            if self.state.step > first_step:  # once in metrics.jsonl, not again by a restart after the stop
+                self.metrics.record(step=self.state.step, early_stopped=1, reason=reason)
         if self.state.non_finite_in_a_row >= self.state.step > 0:
             raise NonFiniteLoss(f"no optimizer step of this run had a finite loss and gradient norm (all "
                                 f"{self.state.step} were skipped); nothing is exported. {_NON_FINITE_HINT}")
@@ -188,7 +206,7 @@ class Trainer:
         except Exception as err:  # noqa: BLE001 - a transient cause: name what to check
             raise CheckpointFailed(f"the final checkpoint step-{self.state.step} was not committed to "
                                    f"spec.storage.uri ({self.checkpoints.store.uri}): {err}") from err
-        if self.val_ds is not None:
+        if self.val_ds is not None and self.state.val_step != self.state.step:
             self.validate()
         return self.export()
 
@@ -287,11 +305,13 @@ class Trainer:
     def validate(self) -> float:
         self.model.eval()
         micro = self.cfg.data.micro_batch_size_per_gpu
-        batches = list(eval_batches(self.val_ds, micro, self.world.rank, self.world.size, self.cfg.data.packing, self.pad_id))
+        batches = list(eval_batches(self.val_ds, micro, self.world.dp_rank, self.world.dp_size, self.cfg.data.packing,
+                                    self.pad_id, self.shard))
         # FSDP ranks must run the same number of forwards: pad with weight-0 repeats. A rank
         # with no rows of its own (fewer validation rows than ranks) repeats the first row.
         most = int(dist_utils.all_reduce_max(torch.tensor([len(batches)])).item())
-        filler = batches[-1] if batches else next(eval_batches(self.val_ds, 1, 0, 1, self.cfg.data.packing, self.pad_id))
+        filler = batches[-1] if batches else next(eval_batches(self.val_ds, 1, 0, 1, self.cfg.data.packing, self.pad_id,
+                                                               self.shard))
         totals = torch.zeros(2, dtype=torch.float64)
         for i in range(most):
             mb = batches[i] if i < len(batches) else filler
@@ -300,12 +320,14 @@ class Trainer:
                 totals += torch.tensor([ce.double().item(), mb.n_targets], dtype=torch.float64)
         ce_total, count = dist_utils.all_reduce_sum(totals).tolist()
         val_loss = ce_total / count
-        self.metrics.record(step=self.state.step, val_loss=val_loss)
+        self.state = early_stop.after_validation(self.state, val_loss, self.cfg.trainer.early_stopping_min_delta)
+        self.metrics.record(**early_stop.row(self.state))
         if self.world.is_main:
             log.info("step %d val_loss %.4f", self.state.step, val_loss)
         return val_loss
 
     def export(self) -> str:
+        early_stop.restore_best(self.cfg.trainer, self.state, self.checkpoints, self.model, self.optimizer)
         self._check_weights_finite()
         unwrap(self.model).config.use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
