@@ -65,18 +65,10 @@ def write_data(work: Path, length: int) -> Path:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and all its descendants (found through /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
+    """SIGKILL ``pid`` and all its descendants."""
+    from tests.trainer.runner import process_tree
+
+    for p in process_tree(pid):
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
