@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import statistics
 import time
 
 import pytest
+from sftjob_contract import layout
 
 from tests.fixtures.cluster import wait_for
 
@@ -130,19 +132,22 @@ def test_bad_data_fails_at_once_without_retrying(cluster, operator, example_ns):
 
 def test_suspend_and_resume(cluster, operator, example_ns):
     """Acceptance 4 (+6): suspend stops the pods (phase Suspended); resume continues from
-    the checkpoint to success, with the operator killed at random moments."""
+    the checkpoint the suspend itself took to success, with the operator killed at random
+    moments. No periodic checkpoint is configured, so a resume past step 0 proves it."""
     ns, name = example_ns, "suspended"
-    apply(cluster, ns, example(name, **RESUMABLE))
+    apply(cluster, ns, example(name, **{**RESUMABLE, "checkpoint.interval": 0, "checkpoint.intervalSeconds": 0}))
     rec = Recorder(cluster, ns, name)
     rec.start()
     chaos = Chaos(operator, seed=int(time.time()) + 1)
     try:
-        wait_job(cluster, ns, name, operator, checkpointed(5), what="a committed checkpoint")
+        wait_job(cluster, ns, name, operator,
+                 lambda j: j if ((j.get("status") or {}).get("progress") or {}).get("step", 0) >= 3 else None,
+                 what="training steps")
         chaos.start()
         cluster.kubectl("-n", ns, "patch", "sft", name, "--type=merge", "-p", '{"spec":{"suspend":true}}')
         wait_job(cluster, ns, name, operator, phase_is("Suspended"), timeout=120, what="Suspended")
         wait_for(lambda: not pods_of(cluster, ns, name), 120, what="pods gone")
-        ckpt = get_job(cluster, ns, name)["status"]["progress"].get("lastCheckpointStep", 0)
+        stepped = get_job(cluster, ns, name)["status"]["progress"].get("step", 0)
         cluster.kubectl("-n", ns, "patch", "sft", name, "--type=merge", "-p", '{"spec":{"suspend":false}}')
         job = wait_job(cluster, ns, name, operator, phase_is("Succeeded", "Failed"), timeout=900, what="success")
     finally:
@@ -151,7 +156,10 @@ def test_suspend_and_resume(cluster, operator, example_ns):
     assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, name, operator)
     assert job["status"]["restarts"]["total"] == 0
     rec.check_invariants(nodes=2)
-    assert "resumed from" in cluster.pod_log(ns, f"{name}-node-0")
+    resumed = re.search(rf"resumed from s3://\S+/{layout.CHECKPOINTS}/step-(\d+) ", cluster.pod_log(ns, f"{name}-node-0"))
+    assert resumed, "the resumed gang found no checkpoint: the suspend did not take one"
+    ckpt = int(resumed.group(1))
+    assert ckpt >= max(3, stepped), (ckpt, stepped)   # the suspend's own checkpoint: none is periodic
     print(f"operator killed {chaos.kills} times; resumed from step {ckpt}")
 
 
@@ -218,6 +226,15 @@ INVALID = [
     ("endpoint without s3", {"storage.uri": "/data/runs"}, "spec.storage.endpoint"),
     ("bad secret name", {"storage.credentialsSecretRef.name": "Not_A_Name"}, "spec.storage.credentialsSecretRef.name"),
     ("typo in a section", {"checkpoint.intervall": 5}, 'unknown field "spec.checkpoint.intervall"'),
+    ("minNodes above nodes", {"resources.minNodes": 3}, "spec.resources.minNodes"),
+    ("batch does not divide at minNodes", {"resources.nodes": 3, "resources.minNodes": 2, "data.trainBatchSize": 384},
+     "data-parallel size at resources.minNodes"),
+    ("sequence parallel does not divide", {"training.sequenceParallelSize": 3}, "spec.training.sequenceParallelSize"),
+    ("cpu offload on a CPU job", {"training.cpuOffload": True}, "spec.training.cpuOffload"),
+    ("Liger on a CPU job", {"model.ligerKernel": True}, "spec.model.ligerKernel"),
+    ("early stopping without validation", {"training.earlyStoppingPatience": 2, "training.testFreq": 0},
+     "spec.training.earlyStoppingPatience"),
+    ("best export without validation", {"output.export": "best", "data.valFiles": []}, "spec.output.export"),
 ]
 
 
@@ -237,7 +254,7 @@ def test_immutable_fields_are_rejected_on_update(cluster, crd, namespace):
     obj = example("immutable", **{"suspend": True})
     apply(cluster, namespace, obj)
     for path, value, expected in (("model.path", "s3://sftjob-examples/models/other", "model is immutable"),
-                                  ("resources.nodes", 4, "resources.nodes is immutable"),
+                                  ("resources.processesPerNode", 2, "resources.processesPerNode is immutable"),
                                   ("training.optim.lr", 0.5, "training is immutable")):
         changed = copy.deepcopy(obj)
         node = changed["spec"]
@@ -245,10 +262,11 @@ def test_immutable_fields_are_rejected_on_update(cluster, crd, namespace):
         for p in parents:
             node = node[p]
         node[leaf] = value
-        if path == "resources.nodes":  # still a whole number of micro-batches per rank: only immutability is wrong
+        if path == "resources.processesPerNode":  # still whole micro-batches per rank: only immutability is wrong
             changed["spec"]["data"]["trainBatchSize"] = 4 * changed["spec"]["data"]["microBatchSizePerGpu"]
         res = apply(cluster, namespace, changed, check=False)
         assert res.returncode != 0 and expected in res.stderr, (path, res.stderr)
     ok = copy.deepcopy(obj)
     ok["spec"]["runPolicy"]["backoffLimit"] = 5  # run policy may change
+    ok["spec"]["resources"]["nodes"] = 1           # and the size (an elastic resize, from Git as well)
     apply(cluster, namespace, ok)
