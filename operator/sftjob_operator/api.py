@@ -279,6 +279,9 @@ class RunPolicy(SpecModel):
     )
 
 
+_VALIDATES = "(has(self.data.valFiles) && size(self.data.valFiles) > 0 && self.training.testFreq > 0)"
+
+
 def _size_rules(nodes: str, name: str, when: str = "true") -> list[dict[str, Any]]:
     """CEL rules that a gang of `nodes` pods (a CEL expression) can train this job: the
     sequence-parallel size divides its world, and the global batch divides into equal
@@ -309,6 +312,12 @@ class SFTJobSpec(SpecModel):
         cel("!self.training.cpuOffload || self.resources.gpusPerNode > 0",
              "training.cpuOffload needs a GPU job (resources.gpusPerNode > 0): on a CPU job the states already live "
              "in host memory", field_path=".training.cpuOffload"),
+        cel(f"self.training.earlyStoppingPatience == 0 || {_VALIDATES}",
+             "training.earlyStoppingPatience needs periodic validation: set data.valFiles and training.testFreq",
+             field_path=".training.earlyStoppingPatience"),
+        cel(f"self.output.export != 'best' || {_VALIDATES}",
+             "output.export best needs periodic validation: set data.valFiles and training.testFreq",
+             field_path=".output.export"),
         cel("!self.model.ligerKernel || self.resources.gpusPerNode > 0",
              "model.ligerKernel needs a GPU job (resources.gpusPerNode > 0): Liger's kernels are Triton GPU kernels",
              field_path=".model.ligerKernel"),
