@@ -128,12 +128,10 @@ def check_train(args, torch) -> str:
 def check_attention(args, torch) -> str:
     import importlib.util
 
-    import torch.distributed as dist
-
     from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig
     from sftjob_trainer.data import SampleBuilder, SFTDataset
     from sftjob_trainer.batching import collate
-    from sftjob_trainer.dist import World, backend_for
+    from sftjob_trainer.dist import World
     from sftjob_trainer.loss import ce_sum
     from sftjob_trainer.model import build_model, decoder_layers
 
@@ -143,12 +141,7 @@ def check_attention(args, torch) -> str:
         from sftjob_trainer.assets import make_assets
 
         make_assets(assets, seed=0, train_rows=2000, val_rows=32)
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    pg_file = args.work / "pg"
-    pg_file.unlink(missing_ok=True)
-    dist.init_process_group(backend_for(device), init_method=f"file://{pg_file}", rank=0, world_size=1,
-                            device_id=device)
+    device, dist = _one_rank_group(torch, args)
     from transformers import AutoTokenizer
 
     path = str(assets / "model")
