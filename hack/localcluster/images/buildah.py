@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -96,15 +97,38 @@ def build_pause(ref: str, work: Path, logfile: Path, verbose: bool) -> str:
 def build_bud(name: str, ref: str, work: Path, cache: Path, logfile: Path, verbose: bool) -> str:
     buildah = need("buildah")
     bud = BUDS[name]
+    prune_when_low(logfile)
     args = [a for k, v in sorted(bud.build_args.items()) for a in ("--build-arg", f"{k}={v}")]
     # The RUN steps trust what this machine trusts (pip's downloads may pass a proxy that
     # re-signs TLS); Debian's pip reads the system bundle. The images do not keep it.
     if Path(HOST_CA_BUNDLE).is_file():
         args += ["-v", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
-    run([buildah, "bud", "--isolation", "chroot", "--layers", "--pull=never",
+    # --force-rm: a failed step's working container goes too; each one left behind held a
+    # half-installed 5 GB virtual environment, and a few failed builds filled the disk.
+    run([buildah, "bud", "--isolation", "chroot", "--layers", "--force-rm", "--pull=never",
           "-f", str(ROOT / bud.dockerfile), "--ignorefile", str(ROOT / bud.ignorefile), "--iidfile", str(work / "iid"),
           *args, "-t", ref, str(ROOT)], logfile=logfile, verbose=verbose, env=buildah_env(cache))
     return _image_id(work / "iid")
+
+
+STORAGE = Path("/var/lib/containers/storage")
+LOW_DISK = 25 << 30  # the trainer's build needs about 15 GB while it runs
+
+
+def prune_when_low(logfile: Path, storage: Path = STORAGE, low: int = LOW_DISK) -> bool:
+    """Before a build: when the disk under buildah's storage has less than `low` bytes free,
+    remove the images that nothing tags and no tagged image builds upon, the layer cache of
+    earlier builds (each requirements change leaves a whole virtual environment behind).
+    Kept otherwise: that cache is what lets an edited source rebuild in seconds. Returns
+    whether it pruned."""
+    probe = storage if storage.exists() else storage.parent
+    if not probe.exists() or shutil.disk_usage(probe).free >= low:
+        return False
+    log(f"less than {low >> 30} GiB free under {storage}: pruning buildah's unused layer cache")
+    res = subprocess.run([need("buildah"), "rmi", "--prune"], capture_output=True, text=True)
+    with logfile.open("a") as f:
+        f.write(f"$ buildah rmi --prune: exit {res.returncode}\n{res.stdout}{res.stderr}")
+    return True
 
 
 def ensure_in_storage(img: ImageRef, logfile: Path, verbose: bool) -> None:
