@@ -24,6 +24,7 @@ BEST_VAL_STEP = "sftjob_trainer_best_val_step"      # the step of that validatio
 VALIDATIONS_WITHOUT_IMPROVEMENT = "sftjob_trainer_validations_without_improvement"
 # 1 once early stopping ended training (trainer.early_stopping_patience); 0 otherwise.
 EARLY_STOPPED = "sftjob_trainer_early_stopped"
+HOLDING = "sftjob_trainer_holding"   # 1 while waiting, checkpointed, for the planned stop the operator asked for
 LEARNING_RATE = "sftjob_trainer_learning_rate"
 GRAD_NORM = "sftjob_trainer_grad_norm"
 TOKENS_PER_SECOND = "sftjob_trainer_tokens_per_second"

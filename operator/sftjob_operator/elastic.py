@@ -1,7 +1,8 @@
 """The elastic resize policy: at which size a gang starts, and when a job changes size. Pure.
 
 Elasticity here is by checkpoint and reshard, never by in-place rendezvous: a resize stops
-the gang gracefully (the SIGTERM path checkpoints), and the next gang starts at the new size
+the gang gracefully (it first asks for a checkpoint and waits for it, stop_request.py;
+SIGTERM's checkpoint is the fallback), and the next gang starts at the new size
 from that checkpoint; the trainer reshards the state and keeps the global batch, so the loss
 trajectory is the same job's (sizes.py says which sizes can train a job). A resize is
 neither a failure nor a preemption: it is counted apart (`status.resizes`), starts at once
@@ -29,7 +30,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from . import api, sizes
+from . import api, sizes, stop_request
 from .phases import Phase
 from .rejections import parse_quantity
 from .resources import Toleration
@@ -179,8 +180,8 @@ def count(p: Any, r: Resize) -> None:
 
 
 def apply(p: Any, r: Resize, current: dict[int, dict[str, Any]]) -> None:
-    """Resize now: the gang stops gracefully (its pods checkpoint on SIGTERM) and the next
-    attempt starts at `r.to`, with no back-off and no restart counted."""
+    """Resize now: the gang stops gracefully (checkpointed on request, stop_request.py, or on
+    SIGTERM) and the next attempt starts at `r.to`, with no back-off and no restart counted."""
     count(p, r)
     p.st.nodes, p.st.attempt = r.to, p.st.attempt + 1
     p.st.sized_attempt, p.st.restart_after = p.st.attempt, None
@@ -205,7 +206,7 @@ def resize_running(p: Any, current: dict[int, dict[str, Any]]) -> bool:
         return False   # final validation and export: let it finish
     eligible = eligible_nodes(p.cluster_nodes, p.spec) if p.cluster_nodes is not None else None
     r, left = while_running(p.spec, p.size, eligible, parse_time(p.st.launch_time), p.now)
-    if r:
+    if r and stop_request.ready_to_stop(p, f"resize to {r.to}"):
         apply(p, r, current)
     elif left:
         p.requeue(left)

@@ -307,6 +307,10 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
                           observing_since=rt.observing_since, cluster_nodes=cluster_nodes)
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     rejection = await _apply(rt, key, body, plan, uids)
+    if plan.checkpoint_hold_s is not None and rt.scraper is not None:   # a planned stop (stop_request.py)
+        if failed := await progress.ask_checkpoint(rt.session, rt.scraper.targets.get(key), plan.checkpoint_hold_s):
+            await rt.kube.merge_status(namespace, name, {"checkpointRequest": {"failed": failed}})
+            rt.enqueue(key, 0.5)
     if rejection is not None:
         # The API server refused a pod: decide again with that knowledge (fail naming the
         # field, or wait for quota) from the status just written.

@@ -32,6 +32,7 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
     restart_cause: RestartCause | None = None   # for metrics
+    checkpoint_hold_s: float | None = None   # ask rank 0 to checkpoint now, then hold this long (stop_request.py)
     invalid: str | None = None         # set when the spec cannot run: the handler raises PermanentError
 
     @property

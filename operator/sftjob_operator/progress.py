@@ -121,6 +121,25 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] |
         return None
 
 
+CHECKPOINT_PATH = "/checkpoint"   # the trainer's control endpoint beside /metrics (trainer/control.py)
+
+
+async def ask_checkpoint(session: aiohttp.ClientSession, target: tuple[str, str] | None, hold_s: float) -> str | None:
+    """POST rank 0's "checkpoint now, then hold up to hold_s" (stop_request.py); `target` is the
+    Scraper's (pod UID, metrics URL) of the job. None when the trainer took it, else why not."""
+    if target is None:
+        return "rank 0's endpoint is not known (its pod is not running)"
+    url = target[1].rsplit("/", 1)[0] + f"{CHECKPOINT_PATH}?holdSeconds={hold_s:g}"
+    timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S)
+    try:
+        async with session.post(url, timeout=timeout) as resp:
+            if resp.status == 202:
+                return None
+            return f"POST {url} answered {resp.status} (a trainer image without the endpoint?)"
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        return f"POST {url} failed: {err or type(err).__name__}"
+
+
 def next_wait(wait: float, interval: float, answered: bool, elapsed: float) -> float:
     """Seconds until the next read of an endpoint. An endpoint that answered, or failed at
     once (connection refused: a trainer still loading its model and data has not opened its

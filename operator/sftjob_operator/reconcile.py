@@ -28,7 +28,7 @@ from sftjob_contract import layout
 from . import builders, deadlines, edits, elastic, eta, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
-from . import queueing, stale, success, suspend, ttl
+from . import queueing, stale, stop_request, success, suspend, ttl
 from .phases import TERMINAL, Phase, RestartCause
 from .plan import Event, Plan
 from .rejections import Rejection, explain_waiting
@@ -136,6 +136,8 @@ class _Pass:
             self.set_phase(Phase.PENDING, c.REASON_CREATED, "waiting for the gang to be created")
         todo = suspend.step(self.st.phase, self.spec.suspend)
         if todo in (suspend.Step.SUSPEND, suspend.Step.SUSPENDED):
+            if todo is suspend.Step.SUSPEND and not stop_request.ready_to_stop(self, "suspend"):
+                return self.finish()
             suspend.apply(self, todo, STALE_POLL_S)
             return self.finish()
         if todo is suspend.Step.RESUME:

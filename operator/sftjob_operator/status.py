@@ -84,6 +84,18 @@ class ResizeStatus(StatusModel):
     last_time: str | None = Field(default=None, description="When the last resize was decided (RFC 3339).")
 
 
+class CheckpointRequest(StatusModel):
+    """A planned stop waiting for the checkpoint it asked the trainer for (stop_request.py)."""
+
+    attempt: int = Field(description="The attempt whose rank 0 was asked.")
+    step: int = Field(description="The step the trainer reported when asked; the stop waits for a committed "
+                      "checkpoint at or past it.")
+    time: str = Field(description="When it was asked (RFC 3339).")
+    reason: str = Field(description="The planned stop it is for: a suspend, or a resize.")
+    failed: str | None = Field(default=None, description="Why the request did not reach the trainer, when it "
+                               "did not; the stop then goes ahead (the pods still checkpoint on SIGTERM).")
+
+
 class Progress(StatusModel):
     """Training progress mirrored from the rank-0 trainer's metrics endpoint."""
 
@@ -149,6 +161,9 @@ class SFTJobStatus(StatusModel):
     nodes: int | None = Field(default=None, description="Pods in the current gang: the size it was started at "
                               "(an elastic job may run below spec.resources.nodes).")
     sized_attempt: int | None = Field(default=None, description="The attempt `nodes` was decided for.")
+    checkpoint_request: CheckpointRequest | None = Field(
+        default=None, description="Present while a suspend or resize waits for the checkpoint it asked the "
+        "trainer for, before the pods are stopped.")
     resizes: ResizeStatus | None = Field(default=None, description="Resizes of the gang (elastic jobs); absent "
                                          "until the first.")
     attempt: int = Field(

@@ -1,7 +1,9 @@
 """Suspend and resume (spec.suspend). Pure; no I/O.
 
 Policy:
-- Suspending stops every pod of the job gracefully (each checkpoints on SIGTERM), finished
+- Suspending first asks the running trainer for a checkpoint and waits for it to commit
+  (stop_request.py; SIGTERM's checkpoint is the fallback), then stops every pod of the
+  job gracefully, finished
   ones too, and counts as tearing the gang down: the attempt grows, so that pods of the
   old gang are never taken for the next one. It is neither a failure nor a preemption
   (no restart is counted, no back-off applies: restartAfter is cleared).

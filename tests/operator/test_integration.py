@@ -132,8 +132,9 @@ def test_bad_data_fails_at_once_without_retrying(cluster, operator, example_ns):
 
 def test_suspend_and_resume(cluster, operator, example_ns):
     """Acceptance 4 (+6): suspend stops the pods (phase Suspended); resume continues from
-    the checkpoint the suspend itself took to success, with the operator killed at random
-    moments. No periodic checkpoint is configured, so a resume past step 0 proves it."""
+    the checkpoint the suspend itself asked for before the pods were deleted, to success,
+    with the operator killed at random moments. No periodic checkpoint is configured, so a
+    resume past step 0 proves a suspend checkpoint, and the Event names the requested one."""
     ns, name = example_ns, "suspended"
     apply(cluster, ns, example(name, **{**RESUMABLE, "checkpoint.interval": 0, "checkpoint.intervalSeconds": 0}))
     rec = Recorder(cluster, ns, name)
@@ -160,7 +161,13 @@ def test_suspend_and_resume(cluster, operator, example_ns):
     assert resumed, "the resumed gang found no checkpoint: the suspend did not take one"
     ckpt = int(resumed.group(1))
     assert ckpt >= max(3, stepped), (ckpt, stepped)   # the suspend's own checkpoint: none is periodic
-    print(f"operator killed {chaos.kills} times; resumed from step {ckpt}")
+    # ... and it is the one the operator asked for before deleting the pods (stop_request.py),
+    # not SIGTERM's: the trainer held after it, so the stop wrote none later.
+    asked = [re.search(r"checkpoint step-(\d+) committed on request", e.get("message") or "")
+             for e in cluster.kube.get(f"/api/v1/namespaces/{ns}/events?fieldSelector=involvedObject.name%3D{name}")
+             ["items"] if e.get("reason") == "CheckpointedBeforeStop"]
+    assert [int(m.group(1)) for m in asked if m] == [ckpt], diagnose(cluster, ns, name, operator)
+    print(f"operator killed {chaos.kills} times; resumed from step {ckpt}, checkpointed on request")
 
 
 def test_deleting_job_removes_children(cluster, operator, namespace):

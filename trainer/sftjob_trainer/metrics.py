@@ -14,6 +14,8 @@ from typing import Any
 
 from sftjob_contract import metrics as M
 
+from .control import Requests, serve
+
 log = logging.getLogger(__name__)
 
 _GAUGES = {
@@ -27,6 +29,7 @@ _GAUGES = {
     "val_without_improvement": (M.VALIDATIONS_WITHOUT_IMPROVEMENT,
                                 "Validations in a row without an improvement over the best (early stopping)"),
     "early_stopped": (M.EARLY_STOPPED, "1 once early stopping ended training"),
+    "holding": (M.HOLDING, "1 while training waits after a checkpoint the operator asked for (a planned stop)"),
     "lr": (M.LEARNING_RATE, "Learning rate of the last step"),
     "grad_norm": (M.GRAD_NORM, "Global gradient norm before clipping"),
     "tokens_per_s": (M.TOKENS_PER_SECOND, "Real (non-pad) tokens per second, all ranks"),
@@ -58,19 +61,20 @@ class Metrics:
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, Any] = {}
         self._server = None
+        self.requests = Requests()   # the operator's "checkpoint now" (control.py), on the same port
         if port:
             self._start_server(port)
 
     def _start_server(self, port: int) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import CollectorRegistry, Counter, Gauge
 
         registry = CollectorRegistry()
         self._gauges = {k: Gauge(n, h, registry=registry) for k, (n, h) in _GAUGES.items()}
         self._counters = {k: Counter(n, h, registry=registry) for k, (n, h) in _COUNTERS.items()}
         for k in _UNSET_UNTIL_MEASURED:
             self._gauges[k].set(float("nan"))
-        self._server, _ = start_http_server(port, registry=registry)
-        log.info("metrics on :%d/metrics", port)
+        self._server = serve(port, registry, self.requests)
+        log.info("metrics on :%d/metrics, checkpoint requests on :%d/checkpoint", port, port)
 
     def gauge(self, **values: float) -> None:
         for k, v in values.items():

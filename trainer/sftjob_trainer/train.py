@@ -42,6 +42,9 @@ _NON_FINITE_HINT = ("Check the base model spec.model.path for NaN/inf weights, o
                     "or use spec.training.precision fp32")
 
 
+HOLD_TICK_S = 0.2   # how often the ranks agree, while holding, whether to stop or go on
+
+
 class Preempted(Exception):
     """Raised after the stop checkpoint committed; the CLI turns it into exit 143."""
 
@@ -177,13 +180,18 @@ class Trainer:
             # One all-reduce per step carries the token counts, the SIGTERM flag, rank 0's
             # save_interval_s decision and any rank's failed checkpoint commit, so every rank
             # checkpoints after the same step, and stops after the same one, at no extra cost.
+            # It also carries the operator's "checkpoint now" (control.py), which rank 0 alone hears.
+            self.metrics.requests.step = self.state.step
+            hold = self.metrics.requests.take()
             local = torch.tensor([sum(mb.n_targets for mb in micro_batches), sum(mb.n_tokens for mb in micro_batches),
                                   float(self.stop.requested), float(self._interval_due()),
-                                  float(self.checkpoints.poll())], dtype=torch.float64)
-            n_targets, n_tokens, stops, interval_due, commit_failed = dist_utils.all_reduce_sum(local).tolist()
+                                  float(self.checkpoints.poll()), float(hold is not None)], dtype=torch.float64)
+            n_targets, n_tokens, stops, interval_due, commit_failed, asked = dist_utils.all_reduce_sum(local).tolist()
             self.checkpoints.end_if_failed(bool(commit_failed))
             if stops:
                 raise Preempted(self._stop_checkpoint())
+            if asked:
+                self._checkpoint_and_hold(hold or 0.0)
             self._train_step(micro_batches, n_targets, n_tokens)
             # Validate first: the checkpoint of this step then carries the early-stopping count.
             if self.val_ds is not None and cfg.test_freq and self.state.step % cfg.test_freq == 0:
@@ -214,6 +222,29 @@ class Trainer:
         """Rank 0 only: has trainer.save_interval_s passed since the last committed checkpoint?"""
         every = self.cfg.trainer.save_interval_s
         return bool(self.world.is_main and every and time.monotonic() - self.last_save_time >= every)
+
+    def _checkpoint_and_hold(self, hold_s: float) -> None:
+        """The operator's request before a planned stop (control.py): commit the current step,
+        then train no further for up to `hold_s` (rank 0's clock) so the SIGTERM that follows
+        finds nothing left to save. Every rank ticks through one small all-reduce, so all
+        leave the hold together: stopping on any rank's SIGTERM, or training on."""
+        if self.state.step > 0:   # before the first step there is nothing to lose
+            self.save(final=True)
+        log.info("checkpoint step-%d committed on request; holding up to %.0fs for the stop", self.state.step, hold_s)
+        self.metrics.gauge(holding=1)
+        until = time.monotonic() + hold_s
+        while True:
+            time.sleep(HOLD_TICK_S)
+            local = torch.tensor([float(self.stop.requested), float(self.world.is_main and time.monotonic() >= until)],
+                                 dtype=torch.float64)
+            stops, release = dist_utils.all_reduce_sum(local).tolist()
+            if stops:
+                raise Preempted(self._stop_checkpoint())
+            if release:
+                log.warning("no stop came within %.0fs of the requested checkpoint step-%d: training on",
+                            hold_s, self.state.step)
+                self.metrics.gauge(holding=0)
+                return
 
     def _stop_checkpoint(self) -> str:
         """Checkpoint after SIGTERM within trainer.stop_timeout_s; says what was kept.
