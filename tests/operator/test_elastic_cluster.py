@@ -90,3 +90,39 @@ def test_elastic_job_shrinks_on_a_lost_node_and_grows_back(cluster, operator, ex
         assert len(ids) == len(set(ids)) == per_epoch * batch, f"a sample repeated in the epoch from step {first}"
     assert condition(job, "Ready")["reason"] == "TrainingSucceeded"
     assert get_job(cluster, ns, name)["status"]["nodes"] == 2
+
+
+def test_editing_nodes_resizes_at_a_requested_checkpoint_by_apply_and_by_patch(cluster, operator, example_ns):
+    """Issue 25's GitOps acceptance: `kubectl apply` of the file with `nodes: 1` shrinks a
+    running 2-pod job, `kubectl patch` back to 2 grows it. No periodic checkpoint is set, so
+    each resize resumes from the checkpoint it asked for (the CheckpointedBeforeStop Event
+    names it), and no step is lost or redone out of order: every step logged once, in order."""
+    ns, name = example_ns, "resized"
+    steps = 60
+    manifest = example(name, **{
+        "resources.minNodes": 1, "checkpoint.interval": 0, "checkpoint.intervalSeconds": 0,
+        "data.valFiles": [], "training.testFreq": 0, "training.totalTrainingSteps": steps,
+        "training.logSampleIds": True, "runPolicy.backoffLimit": 0})
+    apply(cluster, ns, manifest)
+    wait_job(cluster, ns, name, operator,
+             lambda j: j if (_status(j).get("progress") or {}).get("step", 0) >= 3 and _status(j).get("nodes") == 2
+             else None, timeout=300, what="training at 2 pods")
+    manifest["spec"]["resources"]["nodes"] = 1
+    apply(cluster, ns, manifest)                 # the GitOps edit
+    job = wait_job(cluster, ns, name, operator, _at(1), timeout=180, what="resized to 1 pod")
+    assert _status(job)["resizes"]["lastReason"] == "SpecChanged", _status(job)
+    wait_job(cluster, ns, name, operator,
+             lambda j: j if (_status(j).get("progress") or {}).get("step", 0) >= _status(job)["progress"]["step"] + 2
+             else None, timeout=180, what="training at 1 pod")
+    cluster.kubectl("-n", ns, "patch", "sft", name, "--type=merge", "-p", '{"spec":{"resources":{"nodes":2}}}')
+    job = wait_job(cluster, ns, name, operator, _at(2), timeout=180, what="resized back to 2 pods")
+    job = wait_job(cluster, ns, name, operator, phase_is("Succeeded", "Failed"), timeout=600, what="success")
+    st = _status(job)
+    assert st["phase"] == "Succeeded", diagnose(cluster, ns, name, operator)
+    assert st["resizes"]["count"] == 2 and st["restarts"]["total"] == 0, st
+    events = cluster.kube.get(f"/api/v1/namespaces/{ns}/events?fieldSelector=involvedObject.name%3D{name}")["items"]
+    asked = [e["message"] for e in events if e.get("reason") == "CheckpointedBeforeStop"]
+    assert len(asked) == 2, [(e.get("reason"), e.get("message")) for e in events]
+    logged = _steps_logged(cluster, st["output"]["checkpointsUri"])
+    assert sorted(logged) == list(range(1, steps + 1))
+    print(f"resized by apply and by patch, each at the checkpoint it asked for: {asked}")
