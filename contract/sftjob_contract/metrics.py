@@ -33,6 +33,16 @@ LAST_CHECKPOINT_STEP = "sftjob_trainer_last_checkpoint_step"
 CHECKPOINT_SAVE_SECONDS = "sftjob_trainer_checkpoint_save_seconds"
 LAST_CHECKPOINT_TIMESTAMP_SECONDS = "sftjob_trainer_last_checkpoint_timestamp_seconds"
 
+# The preflight report, one series per training source (label SOURCE_LABEL: data.sources[i].name, or
+# "train" for data.trainFiles); set once the data is scanned, before the first step.
+SOURCE_LABEL = "source"
+SOURCE_ROWS = "sftjob_trainer_source_rows"                      # rows read
+SOURCE_USABLE_ROWS = "sftjob_trainer_source_usable_rows"        # rows that train
+SOURCE_DROPPED_ROWS = "sftjob_trainer_source_dropped_rows"      # rows without a trainable token
+SOURCE_TRUNCATED_ROWS = "sftjob_trainer_source_truncated_rows"  # rows cut to data.maxLength
+SOURCE_TOKENS = "sftjob_trainer_source_tokens"                  # tokens of the usable rows
+SOURCE_SAMPLES_PER_EPOCH = "sftjob_trainer_source_samples_per_epoch"  # its weight's share of an epoch
+
 TOKENS = "sftjob_trainer_tokens"                 # counter: sftjob_trainer_tokens_total
 SKIPPED_STEPS = "sftjob_trainer_skipped_steps"   # counter: sftjob_trainer_skipped_steps_total
 # counter: sftjob_trainer_failed_checkpoint_commits_total (as rank 0 saw them)

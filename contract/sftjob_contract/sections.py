@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["DataConfig", "LoraConfig", "ModelConfig", "OptimConfig"]
+__all__ = ["DataConfig", "DataSource", "LoraConfig", "ModelConfig", "OptimConfig"]
 
 
 class _Section(BaseModel):
@@ -61,12 +61,75 @@ class ModelConfig(_Section):
     )
 
 
+# Caps that keep the CRD's per-file CEL rule within the API server's cost budget
+# (sources x files per source x the cost of one URI check).
+MAX_SOURCES = 16
+MAX_FILES_PER_SOURCE = 256
+_SOURCE_NAME = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
+
+
+class DataSource(_Section):
+    """One weighted source of training data (an entry of data.sources)."""
+
+    files: list[str] = Field(
+        description="This source's files: local paths, directories, globs or s3:// URIs (as train_files). "
+        "A directory contributes the files of this source's format.",
+        min_length=1, max_length=MAX_FILES_PER_SOURCE,
+    )
+    weight: float = Field(
+        default=1.0, gt=0,
+        description="Relative share of this source in every epoch; the weights of all sources are normalized "
+        "to sum to 1 (0.5/0.3/0.2 and 5/3/2 mix the same).",
+    )
+    name: str | None = Field(
+        default=None, pattern=_SOURCE_NAME,
+        description="Name in logs, metrics.jsonl and the per-source Prometheus gauges (letters, digits, '_', "
+        "'.', '-'). Default: the source's index in data.sources ('0', '1', ...).",
+    )
+    format: Literal["parquet", "jsonl"] | None = Field(
+        default=None,
+        description="File format. Unset: from the file names (.jsonl or .jsonl.gz is JSONL, .parquet is parquet); "
+        "JSONL holds one JSON object per line.",
+    )
+    prompt_key: str | None = Field(
+        default=None, min_length=1,
+        description="This source's prompt column. A source that sets any of prompt_key, response_key and "
+        "messages_key defines its columns itself (unset keys: the data section's prompt_key/response_key, "
+        "no messages_key); one that sets none uses the data section's three.",
+    )
+    response_key: str | None = Field(
+        default=None, min_length=1, description="This source's response column (see prompt_key)."
+    )
+    messages_key: str | None = Field(
+        default=None, min_length=1,
+        description="This source's messages column: set it to mix multi-turn data with single-turn sources "
+        "(see prompt_key).",
+    )
+
+    _as_list_files = field_validator("files", mode="before")(_as_list)
+
+    def columns(self, data: "DataConfig") -> tuple[str, str, str | None]:
+        """(prompt_key, response_key, messages_key) of this source, after inheriting from ``data``."""
+        if self.prompt_key is None and self.response_key is None and self.messages_key is None:
+            return data.prompt_key, data.response_key, data.messages_key
+        return (self.prompt_key or data.prompt_key, self.response_key or data.response_key, self.messages_key)
+
+
 class DataConfig(_Section):
     """Where the SFT data lives and how it is tokenized and batched."""
 
-    train_files: list[str] = Field(
-        description="Training parquet files: local paths, directories, globs or s3:// URIs.",
+    train_files: list[str] | None = Field(
+        default=None,
+        description="Training parquet files: local paths, directories, globs or s3:// URIs. The one-source form "
+        "of sources: give exactly one of train_files and sources.",
         min_length=1,
+    )
+    sources: list[DataSource] | None = Field(
+        default=None,
+        description="Several weighted training sources (parquet or JSONL, single- or multi-turn) mixed in one "
+        "seeded order; each epoch draws from each source its weight's share of all their usable rows "
+        "(docs/trainer.md, 'Mixing data sources'). Give exactly one of train_files and sources.",
+        min_length=1, max_length=MAX_SOURCES,
     )
     val_files: list[str] = Field(
         default_factory=list,
@@ -127,6 +190,29 @@ class DataConfig(_Section):
             raise ValueError(f"data.prompt_key and data.response_key are both {self.prompt_key!r}: the response "
                              "would be the prompt itself; name two different columns")
         return self
+
+    @model_validator(mode="after")
+    def _one_kind_of_train_data(self) -> "DataConfig":
+        if (self.train_files is None) == (self.sources is None):
+            raise ValueError("give exactly one of data.train_files (one source) and data.sources (weighted sources); "
+                             + ("both are set" if self.sources is not None else "neither is set"))
+        return self
+
+    @model_validator(mode="after")
+    def _sources_are_distinct(self) -> "DataConfig":
+        names = self.source_names()
+        for i, source in enumerate(self.sources or []):
+            prompt, response, messages = source.columns(self)
+            if messages is None and prompt == response:
+                raise ValueError(f"data.sources[{i}]: prompt_key and response_key are both {prompt!r}; name two "
+                                 "different columns (or set messages_key)")
+            if names.count(names[i]) > 1:
+                raise ValueError(f"data.sources[{i}].name {names[i]!r} is used by two sources; names must be unique")
+        return self
+
+    def source_names(self) -> list[str]:
+        """Each source's name: its own, or its index."""
+        return [s.name if s.name is not None else str(i) for i, s in enumerate(self.sources or [])]
 
     @model_validator(mode="after")
     def _micro_divides_global(self) -> "DataConfig":

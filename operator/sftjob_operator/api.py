@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 from sftjob_contract import env as E
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
+from sftjob_contract.sections import DataSource
 
 from .resources import ResourcesSpec
 from .schema import DNS_SUBDOMAIN, IMMUTABLE, URI_MESSAGE, URI_RULE, SpecModel, cel, rules
@@ -55,7 +56,8 @@ def _derive(source: type[BaseModel], *, include: list[str] | None = None, exclud
     return out
 
 
-_TRAINER_KEYS = {n for m in (ModelConfig, DataConfig, OptimConfig, LoraConfig, TrainerConfig) for n in m.model_fields}
+_TRAINER_KEYS = {n for m in (ModelConfig, DataConfig, DataSource, OptimConfig, LoraConfig, TrainerConfig)
+                 for n in m.model_fields}
 _SNAKE = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b")
 
 
@@ -78,10 +80,24 @@ class ModelSpec(_ModelBase):  # type: ignore[misc,valid-type]
 
 _uri_items = {"items": {"type": "string", "maxLength": 1024,
                          **rules(cel(URI_RULE, "every file " + URI_MESSAGE))}}
-_DataBase = create_model(  # type: ignore[call-overload]
-    "_DataBase", __base__=SpecModel,
-    **_derive(DataConfig, extra={"train_files": _uri_items, "val_files": _uri_items}),
+_SourceBase = create_model(  # type: ignore[call-overload]
+    "_SourceBase", __base__=SpecModel, **_derive(DataSource, extra={"files": _uri_items}),
 )
+
+
+class SourceSpec(_SourceBase):  # type: ignore[misc,valid-type]
+    """One weighted training source (the trainer's `data.sources[i]`)."""
+
+
+def _data_fields() -> dict[str, tuple[Any, Any]]:
+    """The trainer's data section, its sources as camelCase `SourceSpec`s."""
+    fields = _derive(DataConfig, extra={"train_files": _uri_items, "val_files": _uri_items})
+    _, info = fields["sources"]
+    fields["sources"] = (list[SourceSpec] | None, info)
+    return fields
+
+
+_DataBase = create_model("_DataBase", __base__=SpecModel, **_data_fields())  # type: ignore[call-overload]
 
 
 class DataSpec(_DataBase):  # type: ignore[misc,valid-type]
@@ -91,6 +107,13 @@ class DataSpec(_DataBase):  # type: ignore[misc,valid-type]
         cel("has(self.messagesKey) || self.promptKey != self.responseKey",
              "data.responseKey must differ from data.promptKey (the response would be the prompt itself)",
              field_path=".responseKey"),
+        # trainFiles is the one-source form of sources: exactly one of them.
+        cel("has(self.trainFiles) || has(self.sources)",
+            "set data.trainFiles (one source) or data.sources (weighted sources)",
+            field_path=".trainFiles", reason="FieldValueRequired"),
+        cel("!has(self.trainFiles) || !has(self.sources)",
+            "data.trainFiles and data.sources are exclusive: give exactly one (trainFiles is the one-source form)",
+            field_path=".sources", reason="FieldValueForbidden"),
     ))
 
 

@@ -242,6 +242,14 @@ INVALID = [
     ("early stopping without validation", {"training.earlyStoppingPatience": 2, "training.testFreq": 0},
      "spec.training.earlyStoppingPatience"),
     ("best export without validation", {"output.export": "best", "data.valFiles": []}, "spec.output.export"),
+    ("train files and sources", {"data.sources": [{"files": ["s3://sftjob-examples/data/chat.jsonl"]}]},
+     "spec.data.sources: Forbidden"),
+    ("zero source weight", {"data.trainFiles": None, "data.sources": [
+        {"files": ["s3://sftjob-examples/data/train.parquet"], "weight": 0}]}, "spec.data.sources[0].weight"),
+    ("unknown source format", {"data.trainFiles": None, "data.sources": [
+        {"files": ["s3://sftjob-examples/data/train.csv"], "format": "csv"}]}, "spec.data.sources[0].format"),
+    ("bad source URI scheme", {"data.trainFiles": None, "data.sources": [{"files": ["gs://b/x.jsonl"]}]},
+     "spec.data.sources[0].files[0]"),
 ]
 
 

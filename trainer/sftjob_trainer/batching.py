@@ -1,7 +1,7 @@
 """Batches: samples → micro-batches (packed or padded) in a resumable global order.
 
-A global batch is a slice of the dataset's order (`SFTDataset.order`, a pure function of
-seed and epoch) at one global sample cursor; each rank takes its share of it, so a
+A global batch is a slice of the dataset's order (`SFTDataset.epoch_order`, or for weighted
+sources `mixing.MixedDataset.epoch_order`, a pure function of seed and epoch) at one global sample cursor; each rank takes its share of it, so a
 checkpoint written by N processes resumes on M processes with the same samples. Packing
 groups a rank's samples into rows under a token budget (`token_groups`), and the rows are
 spread over the micro-batches of an accumulation (`split_to`).
@@ -17,6 +17,7 @@ import torch
 from sftjob_contract.config import DataConfig
 
 from .data import IGNORE, Sample, SFTDataset
+from .mixing import MixedDataset
 from .errors import InvalidData
 
 SP_FIELD = "trainer.sequence_parallel_size"
@@ -71,7 +72,7 @@ def collate(samples: list[Sample], ids: list[int], packing: bool, pad_id: int) -
 class GlobalBatches:
     """The global-cursor schedule: which samples each rank trains on at each step."""
 
-    def __init__(self, dataset: SFTDataset, cfg: DataConfig, seed: int, rank: int, world: int, pad_id: int,
+    def __init__(self, dataset: SFTDataset | MixedDataset, cfg: DataConfig, seed: int, rank: int, world: int, pad_id: int,
                  shard: Callable[[MicroBatch], MicroBatch] | None = None):
         """``rank``/``world``: the data-parallel ones (with sequence parallelism the ranks of an SP
         group share one); ``shard`` cuts this rank's slice out of each micro-batch (ulysses.py)."""
@@ -89,10 +90,10 @@ class GlobalBatches:
         self.dataset, self.cfg, self.seed, self.rank, self.pad_id = dataset, cfg, seed, rank, pad_id
         self.shard = shard
         self.global_batch = cfg.train_batch_size
-        self.steps_per_epoch = len(dataset.valid) // self.global_batch
+        self.steps_per_epoch = dataset.epoch_size // self.global_batch
         if self.steps_per_epoch == 0:
             raise InvalidData(
-                f"train data has {len(dataset.valid)} usable rows, fewer than one global batch "
+                f"train data has {dataset.epoch_size} samples per epoch, fewer than one global batch "
                 f"(data.train_batch_size={self.global_batch})"
             )
         self._order_epoch = -1

@@ -26,7 +26,7 @@ from sftjob_contract.config import DataConfig
 
 from . import dist as dist_utils
 from .errors import InvalidData, TrainerError
-from .parquet import ParquetRows, resolve_files
+from .jsonl import open_rows
 
 log = logging.getLogger(__name__)
 
@@ -206,14 +206,16 @@ class SFTDataset:
     """Rows of parquet files, scanned once, each usable row a Sample on demand."""
 
     def __init__(self, patterns: list[str], builder: SampleBuilder, name: str, rank: int = 0, world: int = 1,
-                 cache: ScanCache | None = None):
+                 cache: ScanCache | None = None, *, field: str | None = None, fmt: str | None = "parquet",
+                 format_field: str | None = None):
+        """``field``: the spec field of ``patterns``, for messages; ``fmt``: parquet, jsonl, or
+        None to tell from the file names (``format_field`` then names the setting)."""
         self.name = name
         self._rank, self._world = rank, world
         self.builder = builder
-        field = FILES_FIELD.get(name, name)
-        resolved = resolve_files(patterns, field)
-        files = [f for f, _ in resolved]
-        self.rows = ParquetRows(files, builder.columns, [w for _, w in resolved])
+        field = field or FILES_FIELD.get(name, name)
+        self.format, self.rows = open_rows(patterns, builder.columns, field, fmt, format_field)
+        files = self.rows.files
         if self.rows.num_rows == 0:
             raise InvalidData(f"{field}: {name} data ({', '.join(files)}) has no rows")
         self.lengths, self.stats = self._cached_scan(cache)
@@ -246,8 +248,8 @@ class SFTDataset:
         key, found = None, None
         if self._rank == 0:  # rank 0 alone reads and writes the cache; the others get its answer
             ident = {"v": 1, "files": self.rows.identity(), "columns": self.rows.columns,
-                     "builder": self.builder.identity()}
-            key = f"scan-{self.name}-{hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]}.npz"
+                     "builder": self.builder.identity(), **({"format": self.format} if self.format != "parquet" else {})}
+            key = f"scan-{self.name.replace(' ', '-')}-{hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]}.npz"
             found = _decode_scan(cache.get(key), self.rows.num_rows)
             if found is not None:
                 log.info("%s data: reusing the token-length scan %s", self.name, key)
@@ -297,18 +299,30 @@ class SFTDataset:
     def fingerprint(self) -> str:
         return self.rows.fingerprint()
 
+    @property
+    def epoch_size(self) -> int:
+        """Samples in one epoch: every usable row once."""
+        return len(self.valid)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of all usable rows (after truncation), for the preflight report."""
+        return int(self.lengths[self.valid].sum())
+
     def close(self) -> None:
         self.rows.close()
 
-    def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    def epoch_order(self, seed: int, epoch: int, shuffle: bool, stream: tuple[int, ...] = ()) -> np.ndarray:
         """The usable row indices of one epoch, in training order.
 
         Shuffling is two-level (row groups, then rows within a group) so that a rank reads
-        one row group after another instead of jumping across the whole file.
+        one row group after another instead of jumping across the whole file. ``stream``
+        keys an independent sequence of permutations (a mixed source's passes, mixing.py);
+        the default is the single-source order.
         """
         if not shuffle:
             return self.valid
-        rng = np.random.default_rng([seed, epoch])
+        rng = np.random.default_rng([seed, *stream, epoch])
         group_ids = np.searchsorted(self.rows.group_start, self.valid, side="right") - 1
         order = []
         for g in rng.permutation(len(self.rows.groups)):

@@ -38,7 +38,16 @@ _GAUGES = {
     "checkpoint_save_seconds": (M.CHECKPOINT_SAVE_SECONDS, "Seconds training was blocked by the last checkpoint"),
     "last_checkpoint_time": (M.LAST_CHECKPOINT_TIMESTAMP_SECONDS,
                              "Unix time of the newest checkpoint (checkpoint age = time() - this)"),
+    # The preflight report, one series per training source (label M.SOURCE_LABEL): `sources()`.
+    "source_rows": (M.SOURCE_ROWS, "Rows read from the training source"),
+    "source_usable": (M.SOURCE_USABLE_ROWS, "Rows of the training source that train"),
+    "source_dropped": (M.SOURCE_DROPPED_ROWS, "Rows of the training source dropped: no trainable token"),
+    "source_truncated": (M.SOURCE_TRUNCATED_ROWS, "Rows of the training source truncated to data.max_length"),
+    "source_tokens": (M.SOURCE_TOKENS, "Tokens of the training source's usable rows, after truncation"),
+    "source_samples_per_epoch": (M.SOURCE_SAMPLES_PER_EPOCH, "Samples the training source contributes to each epoch"),
 }
+# Per-source gauges: gauge key -> the mixing.SourceReport field it shows.
+_PER_SOURCE = {k: k.removeprefix("source_") for k in _GAUGES if k.startswith("source_")}
 # Gauges that have no value until the first step measures them: NaN, never a fake 0.
 _UNSET_UNTIL_MEASURED = ("loss", "val_loss", "best_val_loss", "best_val_step", "lr", "grad_norm", "tokens_per_s",
                          "mfu", "checkpoint_save_seconds", "last_checkpoint_time")
@@ -69,7 +78,8 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge
 
         registry = CollectorRegistry()
-        self._gauges = {k: Gauge(n, h, registry=registry) for k, (n, h) in _GAUGES.items()}
+        self._gauges = {k: Gauge(n, h, [M.SOURCE_LABEL] if k in _PER_SOURCE else (), registry=registry)
+                        for k, (n, h) in _GAUGES.items()}
         self._counters = {k: Counter(n, h, registry=registry) for k, (n, h) in _COUNTERS.items()}
         for k in _UNSET_UNTIL_MEASURED:
             self._gauges[k].set(float("nan"))
@@ -78,8 +88,16 @@ class Metrics:
 
     def gauge(self, **values: float) -> None:
         for k, v in values.items():
-            if k in self._gauges and v is not None and (math.isfinite(v) or k in _SHOWN_NON_FINITE):
+            if (k in self._gauges and k not in _PER_SOURCE and v is not None
+                    and (math.isfinite(v) or k in _SHOWN_NON_FINITE)):
                 self._gauges[k].set(v)
+
+    def sources(self, reports: list[Any]) -> None:
+        """The preflight report of each training source (mixing.SourceReport) as labelled gauges."""
+        for report in reports:
+            for k, field in _PER_SOURCE.items():
+                if k in self._gauges:
+                    self._gauges[k].labels(report.source).set(getattr(report, field))
 
     def count(self, **values: float) -> None:
         for k, v in values.items():

@@ -30,21 +30,23 @@ def _storage_or(err: Exception, field: str, uri: str, what: str, data_error: str
     return InvalidData(f"{field} {uri}: {data_error} ({err})")
 
 
-def resolve_files(patterns: list[str], field: str = "spec.data.trainFiles") -> list[tuple[str, str]]:
+def resolve_files(patterns: list[str], field: str = "spec.data.trainFiles",
+                  suffixes: tuple[str, ...] = (".parquet",)) -> list[tuple[str, str]]:
     """Expand paths, directories and globs (local or s3://) into a sorted file list of
-    (file, the spec field it came from: ``field[i]``)."""
+    (file, the spec field it came from: ``field[i]``); a directory contributes its files
+    whose names end in one of ``suffixes``."""
     files: list[tuple[str, str]] = []
     for i, pattern in enumerate(patterns):
         where = f"{field}[{i}]"
         try:
-            found = _expand(pattern, where)
+            found = _expand(pattern, where, suffixes)
         except OSError as err:
             raise _storage_or(err, where, pattern, "listing", "cannot list") from None
         files += [(f, where) for f in found]
     return files
 
 
-def _expand(pattern: str, where: str) -> list[str]:
+def _expand(pattern: str, where: str, suffixes: tuple[str, ...]) -> list[str]:
     fs, path = parquet_filesystem(pattern)
     prefix = "s3://" if is_s3(pattern) else ""
     if any(c in path for c in "*?["):
@@ -60,13 +62,24 @@ def _expand(pattern: str, where: str) -> list[str]:
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.Directory or (prefix and info.type == pafs.FileType.NotFound and path.endswith("/")):
         infos = fs.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
-        found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+        found = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffixes))
         if not found:
-            raise InvalidData(f"{where} {pattern}: no .parquet files under it")
+            raise InvalidData(f"{where} {pattern}: no {' or '.join(suffixes)} files under it")
         return [prefix + f for f in found]
     if info.type == pafs.FileType.File:
         return [pattern]
     raise InvalidData(f"{where} {pattern}: data file does not exist")
+
+
+def file_identity(uri: str, field: str) -> tuple[str, int, int]:
+    """(path, size, mtime in ns) of one data file, for the scan cache's key."""
+    fs, path = parquet_filesystem(uri)
+    try:
+        info = fs.get_file_info(path)
+    except OSError as err:
+        raise _storage_or(err, field, uri, "stat", "cannot stat") from None
+    mtime = info.mtime_ns if info.mtime_ns is not None else -1
+    return (uri, int(info.size or 0), int(mtime))
 
 
 class ParquetRows:
@@ -141,16 +154,7 @@ class ParquetRows:
 
     def identity(self) -> list[tuple[str, int, int]]:
         """(path, size, mtime in ns) of every file: changes whenever a file is rewritten."""
-        out = []
-        for f, field in zip(self.files, self.fields):
-            fs, path = parquet_filesystem(f)
-            try:
-                info = fs.get_file_info(path)
-            except OSError as err:
-                raise _storage_or(err, field, f, "stat", "cannot stat") from None
-            mtime = info.mtime_ns if info.mtime_ns is not None else -1
-            out.append((f, int(info.size or 0), int(mtime)))
-        return out
+        return [file_identity(f, field) for f, field in zip(self.files, self.fields)]
 
     def fingerprint(self) -> str:
         """Identifies the data (files, sizes, row counts) so a resume can refuse other data."""
