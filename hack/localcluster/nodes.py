@@ -61,7 +61,8 @@ def node_lost(node: str, delete_pods: bool = False, cfg: C.ClusterConfig | None 
 
 
 def node_restore(node: str, cfg: C.ClusterConfig | None = None, timeout: float = 90) -> None:
-    """Start a lost NODE's kubelet again and wait until the Node is Ready and untainted."""
+    """Start a lost NODE's kubelet again and wait until the Node is Ready and free of the node
+    controller's taints (a cordon stays: uncordoning is the caller's business)."""
     cfg = cfg or C.load()
     i = _index(cfg, node)
     kube = Kube.from_state(cfg)
@@ -69,7 +70,9 @@ def node_restore(node: str, cfg: C.ClusterConfig | None = None, timeout: float =
     deadline = time.time() + timeout
     while True:
         n = kube.get(f"/api/v1/nodes/{node}")
-        taints = [t for t in n["spec"].get("taints") or [] if t["key"].startswith("node.kubernetes.io/")]
+        # The node controller's health taints; a cordon's `unschedulable` one is a user's choice, not health.
+        taints = [t for t in n["spec"].get("taints") or [] if t["key"].startswith("node.kubernetes.io/")
+                  and t["key"] != "node.kubernetes.io/unschedulable"]
         if _ready(kube, node) == "True" and not taints:
             break
         if time.time() > deadline:
