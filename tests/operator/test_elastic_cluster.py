@@ -66,8 +66,10 @@ def test_elastic_job_shrinks_on_a_lost_node_and_grows_back(cluster, operator, ex
         assert (_status(job).get("resizes") or {}).get("lastReason") == "CapacityLost", _status(job)
         step_at_1 = (_status(job).get("progress") or {}).get("step")
     finally:
-        localcluster.node_restore(node)
-        cluster.kubectl("uncordon", node)
+        try:
+            localcluster.node_restore(node)
+        finally:
+            cluster.kubectl("uncordon", node)   # never leave the shared cluster a node short
     restored = time.monotonic()
     job = wait_job(cluster, ns, name, operator, _at(2), timeout=300, what="grown back to 2 pods")
     grow_s = time.monotonic() - restored
