@@ -15,6 +15,7 @@ from sftjob_contract.config import SFTConfig
 from . import checkpoint as ckpt
 from . import dist as dist_utils
 from . import early_stop
+from . import mixing
 from .data import SampleBuilder, SFTDataset
 from .batching import GlobalBatches, eval_batches
 from .dist import World
@@ -84,7 +85,7 @@ class Trainer:
             raise InvalidConfig(f"spec.model.path {cfg.model.path}: cannot load a tokenizer ({err})") from None
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         builder = SampleBuilder(self.tokenizer, cfg.data)
-        self.train_ds = SFTDataset(cfg.data.train_files, builder, "train", world.rank, world.size, self.outputs)
+        self.train_ds = mixing.train_dataset(self.tokenizer, cfg.data, builder, world.rank, world.size, self.outputs)
         self.val_ds = (SFTDataset(cfg.data.val_files, builder, "val", world.rank, world.size, self.outputs)
                        if cfg.data.val_files else None)
         self.shard = ulysses.sharder(world, pad_id)
@@ -121,6 +122,7 @@ class Trainer:
                                cfg.trainer.metrics_port if world.is_main else 0)
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
+        mixing.publish_report(self.metrics, self.train_ds, fresh=self.state.step == 0)
         # Reported when the checkpoint commits (for s3://, after its upload), not when written.
         self.checkpoints.on_commit = self._committed
         self.checkpoints.on_failed_commit = lambda step: self.metrics.count(failed_commits=1)
@@ -318,7 +320,7 @@ class Trainer:
     def _advance(self) -> dict:
         cursor = self.state.cursor + self.batches.global_batch
         epoch = self.state.epoch
-        if cursor + self.batches.global_batch > len(self.train_ds.valid):
+        if cursor + self.batches.global_batch > self.train_ds.epoch_size:
             epoch, cursor = epoch + 1, 0  # the remainder that does not fill a global batch is skipped
         return {"step": self.state.step + 1, "epoch": epoch, "cursor": cursor}
 
