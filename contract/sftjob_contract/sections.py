@@ -64,7 +64,7 @@ class ModelConfig(_Section):
 # Caps that keep the CRD's per-file CEL rule within the API server's cost budget
 # (sources x files per source x the cost of one URI check).
 MAX_SOURCES = 16
-MAX_FILES_PER_SOURCE = 256
+MAX_FILES_PER_SOURCE = 64
 _SOURCE_NAME = r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
 
 
