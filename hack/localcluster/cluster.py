@@ -212,8 +212,20 @@ def _ensure_dns_service(cfg: C.ClusterConfig) -> None:
         try:
             kube.create(path, obj)
         except ApiError as e:
-            if e.status != 409:
+            # A Service that exists answers 409, or 422 when its fixed clusterIP is checked
+            # first ("provided IP is already allocated", seen with 1.36 on a reused cluster).
+            if e.status != 409 and not (e.status == 422 and _exists(kube, f"{path}/{obj['metadata']['name']}")):
                 raise
+
+
+def _exists(kube: Kube, path: str) -> bool:
+    try:
+        kube.get(path)
+        return True
+    except ApiError as e:
+        if e.status == 404:
+            return False
+        raise
 
 
 def _wait_service_accounts(cfg: C.ClusterConfig, timeout: float) -> None:
