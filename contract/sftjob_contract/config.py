@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from .sections import DataConfig, LoraConfig, ModelConfig, OptimConfig, _Section
+from .tracking import TrackingConfig
 
 __all__ = [
     "ConfigError",
@@ -165,6 +166,8 @@ class SFTConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     trainer: TrainerConfig
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig,
+                                     description="Experiment tracking (TensorBoard, MLflow, W&B); all off by default.")
 
     @model_validator(mode="after")
     def _best_needs_validation(self) -> "SFTConfig":

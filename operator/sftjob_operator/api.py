@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 from sftjob_contract import env as E
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
+from sftjob_contract.tracking import HTTP_URI, MlflowConfig, TrackingConfig, WandbConfig
 from sftjob_contract.sections import DataSource
 
 from .resources import ResourcesSpec
@@ -250,6 +251,25 @@ class OutputSpec(SpecModel):
     )
 
 
+_MLFLOW_URI = rules(cel(f"self.matches(r'{HTTP_URI}')", "tracking.mlflow.trackingUri must be an http:// or https:// "
+                        "URL with a host, e.g. http://mlflow.mlflow:5000"))
+MlflowSpec = create_model(  # type: ignore[call-overload]
+    "MlflowSpec", __base__=SpecModel, __doc__=MlflowConfig.__doc__,
+    **_derive(MlflowConfig, extra={"tracking_uri": _MLFLOW_URI}))
+WandbSpec = create_model(  # type: ignore[call-overload]
+    "WandbSpec", __base__=SpecModel, __doc__=WandbConfig.__doc__, **_derive(WandbConfig))
+
+
+class TrackingSpec(SpecModel):
+    """Experiment tracking (the trainer's `tracking` section): TensorBoard, MLflow, W&B. Immutable."""
+
+    tensorboard: bool = Field(default=False, description=TrackingConfig.model_fields["tensorboard"].description)
+    mlflow: MlflowSpec | None = Field(  # type: ignore[valid-type]
+        default=None, description=TrackingConfig.model_fields["mlflow"].description)
+    wandb: WandbSpec | None = Field(  # type: ignore[valid-type]
+        default=None, description=TrackingConfig.model_fields["wandb"].description)
+
+
 # runPolicy.cleanPodPolicy (Kubeflow's names): which pods go when the job finishes.
 CleanPodPolicy = Literal["All", "Running", "None"]
 CLEAN_RUNNING = "Running"
@@ -366,6 +386,8 @@ class SFTJobSpec(SpecModel):
                                  json_schema_extra=rules(cel(IMMUTABLE, "storage is immutable")))
     checkpoint: CheckpointSpec = Field(default=CheckpointSpec(), description="Checkpoint interval and retention.")
     output: OutputSpec = Field(default=OutputSpec(), description="The exported model.")
+    tracking: TrackingSpec = Field(default=TrackingSpec(), description="Experiment tracking. Immutable.",
+                                   json_schema_extra=rules(cel(IMMUTABLE, "tracking is immutable")))
     run_policy: RunPolicy = Field(default=RunPolicy(), description="Restarts, deadlines and clean-up.")
     suspend: bool = Field(
         default=False,

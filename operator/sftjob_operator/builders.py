@@ -17,7 +17,7 @@ from sftjob_contract import command, layout
 from sftjob_contract import env as E
 from sftjob_contract.config import SFTConfig
 
-from . import api, sizes
+from . import api, sizes, tracking_env
 from .resources import EnvVar
 
 LABEL_JOB = "sftjob.io/job-name"
@@ -147,6 +147,7 @@ def trainer_config(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METRIC
             "stop_timeout_s": stop_timeout_s(spec),
             "export": spec.output.export,
         },
+        **tracking_env.trainer_section(spec, job.namespace, job.name),
     }
     try:
         SFTConfig.model_validate(raw)
@@ -272,6 +273,7 @@ def _env(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int, master_port
             {"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
             for key in (E.AWS_ACCESS_KEY_ID, E.AWS_SECRET_ACCESS_KEY)
         ]
+    env += tracking_env.secret_env(spec)
     env += [_user_env(e) for e in res.env or []]
     return env
 

@@ -34,7 +34,7 @@ RESIZE = "at a checkpoint: the gang checkpoints, stops and resumes at the new si
 # Dotted spec paths (camelCase, as in the CRD) -> when an edit of it takes effect. The most
 # specific path wins; every field of the CRD is covered by one entry (a test checks).
 WHEN: dict[str, str] = {
-    "model": NEVER, "data": NEVER, "training": NEVER, "storage": NEVER,
+    "model": NEVER, "data": NEVER, "training": NEVER, "storage": NEVER, "tracking": NEVER,
     "resources": RESTART, "resources.nodes": RESIZE, "resources.minNodes": NOW, "resources.processesPerNode": NEVER,
     "checkpoint": RESTART,
     "output": RESTART,

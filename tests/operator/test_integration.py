@@ -242,6 +242,13 @@ INVALID = [
     ("early stopping without validation", {"training.earlyStoppingPatience": 2, "training.testFreq": 0},
      "spec.training.earlyStoppingPatience"),
     ("best export without validation", {"output.export": "best", "data.valFiles": []}, "spec.output.export"),
+    ("non-http MLflow URI", {"tracking.mlflow.trackingUri": "ftp://mlflow:5000"}, "spec.tracking.mlflow.trackingUri"),
+    ("MLflow URI without a host", {"tracking.mlflow.trackingUri": "http:///api"}, "spec.tracking.mlflow.trackingUri"),
+    ("MLflow token inline", {"tracking.mlflow.trackingUri": "http://m:5000", "tracking.mlflow.token": "t"},
+     'unknown field "spec.tracking.mlflow.token"'),
+    ("W&B API key inline", {"tracking.wandb.apiKey": "k"}, 'unknown field "spec.tracking.wandb.apiKey"'),
+    ("bad W&B mode", {"tracking.wandb.mode": "cloud"}, "spec.tracking.wandb.mode"),
+    ("bad tracking Secret name", {"tracking.wandb.apiKeySecret": "Not_A_Name"}, "spec.tracking.wandb.apiKeySecret"),
     ("train files and sources", {"data.sources": [{"files": ["s3://sftjob-examples/data/chat.jsonl"]}]},
      "spec.data.sources: Forbidden"),
     ("zero source weight", {"data.trainFiles": None, "data.sources": [
