@@ -198,3 +198,26 @@ def test_parameters_are_the_resolved_config_without_secret_names(tmp_path):
     got = tracking.params(cfg)
     assert got["optim.lr"] == str(cfg.optim.lr) and got["tracking.mlflow.tracking_uri"] == "http://m:5000"
     assert "mlflow-creds" not in got.values() and "wb" not in got.values()
+
+
+def test_tensorboard_publishes_to_the_store_at_commit_and_a_new_pod_reads_what_was_published(tmp_path):
+    """An s3:// output in miniature (a store with scratch space: written locally, published by
+    copy): what a pod logged after its last commit is lost with the pod, and the next pod's
+    start answers the last published step, so it logs those steps again and nothing twice."""
+    from sftjob_trainer.storage import LocalDir
+    from sftjob_trainer.track_tensorboard import TensorBoard, last_steps
+
+    root = tmp_path / "store"
+    run = tracking.RunInfo("id", str(root), "job")
+    first = TensorBoard(LocalDir(root, tmp_path / "pod-1"))
+    assert first.start(run, {"a": "1"}) == {}
+    for step in (1, 2, 3):
+        first.log(step, {"train/loss": 1.0 / step})
+    first.commit()
+    first.log(4, {"train/loss": 0.25})     # never committed: the pod is lost with it
+    second = TensorBoard(LocalDir(root, tmp_path / "pod-2"))
+    assert second.start(run, {"a": "1"}) == {"train/loss": 3}
+    second.log(4, {"train/loss": 0.25})
+    second.finish("FINISHED", None)
+    assert last_steps(root / "tensorboard") == {"train/loss": 4}
+    assert len(list((root / "tensorboard").glob("events.out.tfevents.*"))) == 2
