@@ -221,3 +221,22 @@ def test_tensorboard_publishes_to_the_store_at_commit_and_a_new_pod_reads_what_w
     second.finish("FINISHED", None)
     assert last_steps(root / "tensorboard") == {"train/loss": 4}
     assert len(list((root / "tensorboard").glob("events.out.tfevents.*"))) == 2
+
+
+def test_a_backend_that_never_starts_is_given_up_after_bounded_tries(monkeypatch):
+    """Each try may cost a connect timeout: an unreachable server is not retried for ever."""
+    calls = []
+
+    class Unreachable:
+        name = "unreachable"
+
+        def start(self, run, params):
+            calls.append(1)
+            raise ConnectionRefusedError("nothing listens")
+
+    monkeypatch.setattr(tracking, "MAX_BACKOFF_S", 0.0)   # every try is due at once
+    tracker = tracking.Tracker([Unreachable()], tracking.RunInfo("id", "/x", "job"), {})
+    for step in range(1, 50):
+        tracker.log(step, {"loss": 1.0})
+    tracker.finish("/x/hf/final")
+    assert len(calls) == tracking.MAX_START_TRIES and tracker.backends == []

@@ -18,7 +18,7 @@ from sftjob_contract.tracking import WandbConfig
 
 from .track_base import ALL, OUTPUT_URI, RunInfo
 
-INIT_TIMEOUT_S = 30.0   # an unreachable server delays the start by this much, then training goes on without it
+INIT_TIMEOUT_S = 10.0   # an unreachable server delays the start by this much, then training goes on without it
 # A .wandb file: a 7-byte header (":W&B", magic, version), then LevelDB log blocks of 32 KiB,
 # each record in chunks with a 7-byte header (crc32, length, type: full, first, middle, last).
 _HEADER, _BLOCK, _CHUNK = 7, 32768, 7

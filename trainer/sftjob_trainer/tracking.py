@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING = 10_000     # rows kept for a backend that is down; the oldest go first
 MAX_BACKOFF_S = 60.0     # the longest wait between two tries of a failing backend
+# A backend that cannot even open its run this many times in a row (about 2 minutes of backoff)
+# is given up for this attempt: each try may cost a connect timeout (W&B's init: INIT_TIMEOUT_S).
+MAX_START_TRIES = 8
 # The trainer's row keys (metrics.jsonl) and the names the trackers show them under.
 METRIC_NAMES = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
@@ -119,7 +122,7 @@ class Tracker:
         self._count_error = count_error or (lambda: None)
         self._lock = threading.Lock()
         self._finished = False
-        for g in self._backends:
+        for g in list(self._backends):
             self._try(g, lambda g=g: self._start(g))
 
     @property
@@ -131,7 +134,7 @@ class Tracker:
         if not metrics or not self._backends:
             return
         with self._lock:
-            for g in self._backends:
+            for g in list(self._backends):
                 g.pending.append((step, metrics))
                 del g.pending[:-MAX_PENDING]
                 if time.monotonic() >= g.retry_at:
@@ -139,7 +142,7 @@ class Tracker:
 
     def commit(self) -> None:
         with self._lock:
-            for g in self._backends:
+            for g in list(self._backends):
                 self._try(g, lambda g=g: (self._flush(g), g.backend.commit()))
 
     def finish(self, output_uri: str) -> str:
@@ -157,7 +160,7 @@ class Tracker:
             if self._finished:
                 return
             self._finished = True
-            for g in self._backends:
+            for g in list(self._backends):
                 if status == "FINISHED":   # one last try; a stopping attempt (SIGTERM's budget) waits for none
                     g.retry_at = 0.0
                 self._try(g, lambda g=g: (self._flush(g), g.backend.finish(status, output_uri)))
@@ -183,7 +186,7 @@ class Tracker:
 
     def _try(self, g: _Guarded, action) -> None:
         """Run ``action``; a failure is counted, warned about once, and retried after a backoff."""
-        if g.retry_at and time.monotonic() < g.retry_at:
+        if (g.retry_at and time.monotonic() < g.retry_at) or g not in self._backends:
             return
         try:
             action()
@@ -194,6 +197,10 @@ class Tracker:
             say = log.warning if g.failures == 1 else log.debug
             say("tracking: %s failed (%s: %s); training goes on, %d rows kept to retry", g.backend.name,
                 type(err).__name__, err, len(g.pending))
+            if not g.started and g.failures >= MAX_START_TRIES:
+                log.warning("tracking: %s could not start in %d tries; this attempt goes on without it",
+                            g.backend.name, g.failures)
+                self._backends.remove(g)
             return
         if g.failures:
             log.info("tracking: %s works again after %d failures", g.backend.name, g.failures)
