@@ -47,6 +47,6 @@ TOKENS = "sftjob_trainer_tokens"                 # counter: sftjob_trainer_token
 SKIPPED_STEPS = "sftjob_trainer_skipped_steps"   # counter: sftjob_trainer_skipped_steps_total
 # counter: sftjob_trainer_failed_checkpoint_commits_total (as rank 0 saw them)
 FAILED_CHECKPOINT_COMMITS = "sftjob_trainer_failed_checkpoint_commits"
-# counter: sftjob_tracking_errors_total, failed calls to a tracking backend (TensorBoard, MLflow, W&B)
+# counter: sftjob_trainer_tracking_errors_total, failed calls to a tracking backend (TensorBoard, MLflow, W&B)
 # that training went on without (tracking.py); rows are kept and retried, so a rise means late, not lost.
-TRACKING_ERRORS = "sftjob_tracking_errors"
+TRACKING_ERRORS = "sftjob_trainer_tracking_errors"

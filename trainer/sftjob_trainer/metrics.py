@@ -55,6 +55,7 @@ _COUNTERS = {
     "tokens": (M.TOKENS, "Real (non-pad) tokens processed"),
     "skipped": (M.SKIPPED_STEPS, "Steps skipped for a non-finite loss or gradient norm"),
     "failed_commits": (M.FAILED_CHECKPOINT_COMMITS, "Checkpoint commits that failed"),
+    "tracking_errors": (M.TRACKING_ERRORS, "Failed calls to a tracking backend (training went on)"),
 }
 # Measured values that may be non-finite: a NaN loss is news, not a value to hide.
 _SHOWN_NON_FINITE = ("loss", "grad_norm", "val_loss")

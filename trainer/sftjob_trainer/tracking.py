@@ -14,7 +14,7 @@ Two promises hold for every backend, and both live here rather than in each back
   logged; ``Tracker.log`` drops a metric at a step not above what its backend already holds.
   Exact resume makes the dropped values equal to the kept ones, so nothing is lost.
 - **A backend that is down never stops training.** Its failures are logged (the first with a
-  warning, then quietly), counted (``tracking_errors``, sftjob_tracking_errors_total), and the
+  warning, then quietly), counted (``tracking_errors``, sftjob_trainer_tracking_errors_total), and the
   rows it missed are kept (at most ``MAX_PENDING``) and retried at a later log, no sooner than
   a backoff that doubles up to ``MAX_BACKOFF_S``, so a dead server costs training nothing
   but a bounded buffer.

@@ -16,6 +16,7 @@ from . import checkpoint as ckpt
 from . import dist as dist_utils
 from . import early_stop
 from . import mixing
+from . import tracking
 from .data import SampleBuilder, SFTDataset
 from .batching import GlobalBatches, eval_batches
 from .dist import World
@@ -123,6 +124,7 @@ class Trainer:
         self.metrics.gauge(total_steps=self.total_steps, step=self.state.step, epoch=self.state.epoch,
                            last_checkpoint_step=max(self.last_committed, 0))
         mixing.publish_report(self.metrics, self.train_ds, fresh=self.state.step == 0)
+        self.tracking = tracking.open_tracker(cfg, world.is_main, self.outputs.store, self.metrics)
         # Reported when the checkpoint commits (for s3://, after its upload), not when written.
         self.checkpoints.on_commit = self._committed
         self.checkpoints.on_failed_commit = lambda step: self.metrics.count(failed_commits=1)
@@ -130,6 +132,7 @@ class Trainer:
     def _committed(self, step: int) -> None:
         self.last_committed = step
         self.metrics.gauge(last_checkpoint_step=step, last_checkpoint_time=time.time())
+        self.tracking.commit()  # TensorBoard's files beside the checkpoint
 
     # ------------------------------------------------------------------ resume / save
 
@@ -218,7 +221,7 @@ class Trainer:
                                    f"spec.storage.uri ({self.checkpoints.store.uri}): {err}") from err
         if self.val_ds is not None and self.state.val_step != self.state.step:
             self.validate()
-        return self.export()
+        return self.tracking.finish(self.export())
 
     def _interval_due(self) -> bool:
         """Rank 0 only: has trainer.save_interval_s passed since the last committed checkpoint?"""
@@ -307,6 +310,7 @@ class Trainer:
             flops = step_flops(self.n_matmul, self.n_layers, self.d_attn, [n for part in lengths for n in part])
             row["mfu"] = flops / seconds / (self.cfg.trainer.peak_tflops * 1e12 * self.world.size)
         self.metrics.record(**row)
+        self.tracking.log(self.state.step, row)
         self.metrics.count(tokens=int(n_tokens), skipped=int(skipped))
         if self.world.is_main and (self.state.step % self.cfg.trainer.log_freq == 0 or self.state.step == self.total_steps):
             log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", self.state.step, self.total_steps,
@@ -355,6 +359,7 @@ class Trainer:
         val_loss = ce_total / count
         self.state = early_stop.after_validation(self.state, val_loss, self.cfg.trainer.early_stopping_min_delta)
         self.metrics.record(**early_stop.row(self.state))
+        self.tracking.log(self.state.step, early_stop.row(self.state))
         if self.world.is_main:
             log.info("step %d val_loss %.4f", self.state.step, val_loss)
         return val_loss
@@ -382,6 +387,7 @@ class Trainer:
 
     def close(self, linger_s: float = 0.0) -> None:
         self.checkpoints.close()
+        self.tracking.close()
         for ds in (self.train_ds, self.val_ds):
             if ds is not None:
                 ds.close()
