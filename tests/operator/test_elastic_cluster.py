@@ -100,7 +100,7 @@ def test_editing_nodes_resizes_at_a_requested_checkpoint_by_apply_and_by_patch(c
     each resize resumes from the checkpoint it asked for (the CheckpointedBeforeStop Event
     names it), and no step is lost or redone out of order: every step logged once, in order."""
     ns, name = example_ns, "resized"
-    steps = 60
+    steps = 300   # long enough at 1 pod to be resized back (60 finished at 1 pod before the patch landed)
     manifest = example(name, **{
         "resources.minNodes": 1, "checkpoint.interval": 0, "checkpoint.intervalSeconds": 0,
         "data.valFiles": [], "training.testFreq": 0, "training.totalTrainingSteps": steps,
