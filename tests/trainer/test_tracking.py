@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 import urllib.parse
 import urllib.request
@@ -154,12 +155,18 @@ def test_mlflow_has_one_run_for_the_job_with_every_step_once(tracked):
 
 def test_an_mlflow_server_that_is_down_costs_no_training_and_catches_up(tracked, caplog):
     errors = []
-    backend = Mlflow(MlflowConfig(tracking_uri=f"http://127.0.0.1:{runner.free_port()}", experiment="down"))
+    hung = socket.socket()   # a server that takes the connection and never answers: each call times out
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    backend = Mlflow(MlflowConfig(tracking_uri=f"http://127.0.0.1:{hung.getsockname()[1]}", experiment="down"))
     run = tracking.RunInfo(identity="down-then-up", output_dir="/x", name="down")
     with caplog.at_level(logging.WARNING, logger=tracking.__name__):
         tracker = tracking.Tracker([backend], run, {"a": "1"}, count_error=lambda: errors.append(1))
+        t0 = time.monotonic()
         for step in (1, 2, 3):
-            tracker.log(step, {"loss": 1.0 / step})   # nothing listens: never raises
+            tracker.log(step, {"loss": 1.0 / step})   # nothing listens: never raises, never waits
+        assert time.monotonic() - t0 < 0.5, "the training loop waited for the tracking server"
+        tracker.wait(30)
     assert errors and len([r for r in caplog.records if "failed" in r.message]) == 1, "warned once"
     backend.rest.base = f"{tracked.url}/api/2.0/mlflow/"    # the server is back
     time.sleep(tracking.MAX_BACKOFF_S if len(errors) > 6 else 2.0 ** (len(errors) - 1) + 0.1)
@@ -169,6 +176,7 @@ def test_an_mlflow_server_that_is_down_costs_no_training_and_catches_up(tracked,
     runs = _mlflow(tracked.url, "runs/search", {"experiment_ids": [experiment["experiment_id"]]})["runs"]
     history = _mlflow(tracked.url, "metrics/get-history", run_id=runs[0]["info"]["run_id"], metric_key="train/loss")
     assert sorted(m["step"] for m in history["metrics"]) == [1, 2, 3, 4], "the rows kept while down arrive"
+    hung.close()
 
 
 # --------------------------------------------------------------------------- W&B

@@ -18,6 +18,11 @@ Two promises hold for every backend, and both live here rather than in each back
   rows it missed are kept (at most ``MAX_PENDING``) and retried at a later log, no sooner than
   a backoff that doubles up to ``MAX_BACKOFF_S``, so a dead server costs training nothing
   but a bounded buffer.
+
+Every backend call (network I/O to MLflow or W&B, event-file writes and uploads) runs on one
+worker thread, in call order: the training loop only enqueues, so a slow or hanging server
+never holds a step. ``finish`` waits for the queue (``FINISH_WAIT_S``), ``close`` only briefly
+(``CLOSE_WAIT_S``: a stopping attempt spends its SIGTERM budget on the checkpoint).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import hashlib
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +48,8 @@ MAX_BACKOFF_S = 60.0     # the longest wait between two tries of a failing backe
 # A backend that cannot even open its run this many times in a row (about 2 minutes of backoff)
 # is given up for this attempt: each try may cost a connect timeout (W&B's init: INIT_TIMEOUT_S).
 MAX_START_TRIES = 8
+FINISH_WAIT_S = 120.0    # the end of training waits this long for the queued calls
+CLOSE_WAIT_S = 5.0       # a stopping attempt waits only this long
 # The trainer's row keys (metrics.jsonl) and the names the trackers show them under.
 METRIC_NAMES = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "train/tokens_per_s",
@@ -112,18 +120,44 @@ class _Guarded:
 
 
 class Tracker:
-    """What train.py talks to: fans each call out to the configured backends. Thread-safe:
-    ``commit`` runs on the checkpoint commit thread while the loop logs."""
+    """What train.py talks to: fans each call out to the configured backends, on one worker
+    thread (``commit`` comes from the checkpoint commit thread, ``log`` from the loop)."""
 
     def __init__(self, backends: list[Backend], run: RunInfo | None = None, params: dict[str, str] | None = None,
                  count_error=None):
         self._backends = [_Guarded(b) for b in backends]
         self._run, self._params = run, params or {}
         self._count_error = count_error or (lambda: None)
-        self._lock = threading.Lock()
         self._finished = False
+        self._calls: queue.Queue = queue.Queue(maxsize=MAX_PENDING)
+        if self._backends:
+            threading.Thread(target=self._work, name="sftjob-tracking", daemon=True).start()
         for g in list(self._backends):
-            self._try(g, lambda g=g: self._start(g))
+            self._submit(lambda g=g: self._try(g, lambda: self._start(g)))
+
+    def _work(self) -> None:
+        while True:
+            call = self._calls.get()
+            try:
+                call()
+            except Exception:  # noqa: BLE001 - _try catches the backends'; this is a last guard
+                log.exception("tracking: internal error")
+            finally:
+                self._calls.task_done()
+
+    def _submit(self, call) -> None:
+        """Queue a call for the worker; a full queue (the worker stuck that long) drops it, counted."""
+        try:
+            self._calls.put_nowait(call)
+        except queue.Full:
+            self._count_error()
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait up to timeout_s for the queued calls (Queue.join has no timeout)."""
+        done = threading.Event()
+        threading.Thread(target=lambda: (self._calls.join(), done.set()), daemon=True).start()
+        if not done.wait(timeout_s):
+            log.warning("tracking: calls still queued after %.0fs; the attempt ends without them", timeout_s)
 
     @property
     def backends(self) -> list[str]:
@@ -131,19 +165,21 @@ class Tracker:
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         metrics = rows_of(row)
-        if not metrics or not self._backends:
-            return
-        with self._lock:
-            for g in list(self._backends):
-                g.pending.append((step, metrics))
-                del g.pending[:-MAX_PENDING]
-                if time.monotonic() >= g.retry_at:
-                    self._try(g, lambda g=g: self._flush(g))
+        if metrics and self._backends:
+            self._submit(lambda: self._log(step, metrics))
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        for g in list(self._backends):
+            g.pending.append((step, metrics))
+            del g.pending[:-MAX_PENDING]
+            if time.monotonic() >= g.retry_at:
+                self._try(g, lambda g=g: self._flush(g))
 
     def commit(self) -> None:
-        with self._lock:
-            for g in list(self._backends):
-                self._try(g, lambda g=g: (self._flush(g), g.backend.commit()))
+        """Called on the checkpoint commit thread: queued behind the rows logged before it."""
+        if self._backends:
+            self._submit(lambda: [self._try(g, lambda g=g: (self._flush(g), g.backend.commit()))
+                                  for g in list(self._backends)])
 
     def finish(self, output_uri: str) -> str:
         """Training is done and the model exported at ``output_uri``: close every run as
@@ -156,14 +192,18 @@ class Tracker:
         self._close("KILLED", None)
 
     def _close(self, status: str, output_uri: str | None) -> None:
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
+        if self._finished or not self._backends:
+            return
+        self._finished = True
+
+        def close_all() -> None:
             for g in list(self._backends):
                 if status == "FINISHED":   # one last try; a stopping attempt (SIGTERM's budget) waits for none
                     g.retry_at = 0.0
                 self._try(g, lambda g=g: (self._flush(g), g.backend.finish(status, output_uri)))
+
+        self._calls.put(close_all)   # blocking: the last call is never dropped
+        self.wait(FINISH_WAIT_S if status == "FINISHED" else CLOSE_WAIT_S)
 
     def _start(self, g: _Guarded) -> None:
         assert self._run is not None
