@@ -12,6 +12,7 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.parser import text_string_to_metric_families
 from sftjob_contract import metrics as M
 
 from sftjob_trainer import control
@@ -31,12 +32,7 @@ def _post(url: str) -> tuple[int, dict]:
 def _gauges(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.mark.unit
