@@ -239,6 +239,11 @@ def explain_waiting(spec: api.SFTJobSpec, reason: str, message: str) -> str:
         ref = src and (src.secret_key_ref or src.config_map_key_ref)
         if ref:
             refs.append((f"spec.resources.env[{var.name}].valueFrom", ref.name))
+    t = spec.tracking
+    if t.mlflow is not None and t.mlflow.credentials_secret:
+        refs.append(("spec.tracking.mlflow.credentialsSecret", t.mlflow.credentials_secret))
+    if t.wandb is not None and t.wandb.api_key_secret:
+        refs.append(("spec.tracking.wandb.apiKeySecret", t.wandb.api_key_secret))
     for path, name in refs:
         # kubelet: 'secret "NAME" not found', or "couldn't find key K in Secret NS/NAME"
         if f'"{name}"' in message or message.rstrip().endswith(f"/{name}"):

@@ -191,6 +191,17 @@ def test_missing_secret_is_named_while_waiting_and_when_failing():
     assert "spec.storage.credentialsSecretRef.name" in failed["message"]
 
 
+def test_a_missing_tracking_secret_is_named_while_waiting():
+    body = job_body({"tracking.wandb": {"project": "p", "apiKeySecret": "wandb-key"}})
+    body = apply(body, reconcile.plan(body, [], at(0)))
+    pods = pods_for(body, phase="Pending")
+    for p in pods:
+        p["status"]["containerStatuses"] = [{"name": "trainer", "state": {"waiting": {
+            "reason": "CreateContainerConfigError", "message": 'secret "wandb-key" not found'}}}]
+    ready = cond(reconcile.plan(body, pods, at(5)).status, "Ready")
+    assert "spec.tracking.wandb.apiKeySecret (wandb-key): CreateContainerConfigError" in ready["message"]
+
+
 def test_image_that_is_not_on_the_node_is_named_while_waiting_and_when_failing():
     """A real kubelet with imagePullPolicy Never says ErrImageNeverPull: a stuck reason that names
     spec.resources.image, chosen over another rank's ordinary wait."""
