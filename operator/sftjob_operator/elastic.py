@@ -121,9 +121,10 @@ def while_starting(spec: api.SFTJobSpec, size: int, launched: datetime, now: dat
 
 
 def while_running(spec: api.SFTJobSpec, size: int, eligible: int | None, since: datetime | None,
-                  now: datetime) -> tuple[Resize | None, float | None]:
+                  now: datetime, edited: bool = False) -> tuple[Resize | None, float | None]:
     """A gang of `size` pods is training: resize it? Returns the decision and, when a grow
-    waits only for the cooldown, the seconds left of it."""
+    waits only for the cooldown, the seconds left of it. `edited`: the spec changed since
+    the gang was launched (a user raising resources.nodes): a grow then is the edit's, at once."""
     wanted = spec.resources.nodes
     if size > wanted:
         to = sizes.largest_within(spec, wanted) or wanted
@@ -137,6 +138,9 @@ def while_running(spec: api.SFTJobSpec, size: int, eligible: int | None, since: 
     to = sizes.largest_within(spec, min(wanted, eligible)) if eligible is not None else None
     if to is None or to <= size:
         return None, None
+    if edited:
+        return Resize(to, REASON_SPEC_CHANGED, f"resources.nodes was set to {wanted}: growing from {size} to {to} "
+                      f"({eligible} node(s) can host a pod) at a checkpoint"), None
     cooldown = spec.resources.resize_cooldown_seconds
     left = cooldown - (now - since).total_seconds() if since else 0.0
     if left > 0:
@@ -205,7 +209,8 @@ def resize_running(p: Any, current: dict[int, dict[str, Any]]) -> bool:
     if pr.step is not None and pr.total_steps is not None and pr.step >= pr.total_steps:
         return False   # final validation and export: let it finish
     eligible = eligible_nodes(p.cluster_nodes, p.spec) if p.cluster_nodes is not None else None
-    r, left = while_running(p.spec, p.size, eligible, parse_time(p.st.launch_time), p.now)
+    edited = bool(p.generation and p.st.launched_generation and p.generation > p.st.launched_generation)
+    r, left = while_running(p.spec, p.size, eligible, parse_time(p.st.launch_time), p.now, edited)
     if r and stop_request.ready_to_stop(p, f"resize to {r.to}"):
         apply(p, r, current)
     elif left:

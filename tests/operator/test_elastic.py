@@ -171,6 +171,26 @@ def test_editing_nodes_resizes_a_running_job_at_a_checkpoint():
     assert len(plan.launch) == 1
 
 
+def test_raising_nodes_grows_a_running_job_at_once_despite_the_cooldown():
+    """An edit is the user's decision: not held by resources.resizeCooldownSeconds, which
+    rate-limits only the operator's own grows when capacity returns."""
+    body = job_body({"resources.minNodes": 1, "resources.resizeCooldownSeconds": 600})
+    body, _ = launch(body, 0, TWO)
+    body = apply(body, reconcile.plan(body, gang(body, 2, 0), at(5), cluster_nodes=TWO))
+    edited = copy.deepcopy(body)
+    edited["spec"]["resources"]["nodes"], edited["metadata"]["generation"] = 1, 2
+    body, _ = launch(apply(edited, reconcile.plan(edited, gang(body, 2, 0), at(20), cluster_nodes=TWO)), 22, TWO)
+    running = gang(body, 1, 1)
+    body = apply(body, reconcile.plan(body, running, at(25), cluster_nodes=TWO))
+    assert body["status"]["nodes"] == 1
+    plan = reconcile.plan(body, running, at(40), cluster_nodes=TWO)   # nothing edited: no grow in the cooldown
+    assert not plan.delete_pods
+    body["spec"]["resources"]["nodes"], body["metadata"]["generation"] = 2, 3
+    plan = reconcile.plan(body, running, at(41), cluster_nodes=TWO)
+    assert plan.delete_pods == ["tiny-node-0"] and plan.status["nodes"] == 2
+    assert plan.status["resizes"]["lastReason"] == "SpecChanged"
+
+
 def test_no_resize_during_the_final_export():
     body = job_body({"resources.minNodes": 1, "resources.resizeCooldownSeconds": 0})
     body, _ = launch(body, 0, ONE)
