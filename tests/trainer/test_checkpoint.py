@@ -5,6 +5,7 @@ that stages under a scratch directory and publishes by moving files, exactly the
 s3:// output takes (stage, upload, report, commit), so the S3 logic runs without a server.
 """
 import json
+import os
 import threading
 import time
 
@@ -258,3 +259,29 @@ def test_a_final_save_makes_no_host_copy_and_frees_the_earlier_ones(store, monke
     ck.load(2, other, other_opt)
     assert torch.equal(other.weight, model.weight)
     ck.close()
+
+
+def test_listing_ignores_a_file_renamed_while_it_is_listed(tmp_path, monkeypatch):
+    """CI saw rank 0 fail a requested checkpoint with FileNotFoundError on
+    ``_ranks/rank-1.json.tmp``: rank 1's atomic write renamed it between rank 0's
+    directory listing and its size lookup. The listing is a snapshot; a file that goes
+    away while it is taken is simply not in it."""
+    store = LocalDir(tmp_path)
+    store.put_bytes("step-7/_ranks/rank-0.json", b"{}")
+    tmp = tmp_path / "step-7" / "_ranks" / "rank-1.json.tmp"
+    tmp.write_bytes(b"{}")
+    real_stat = type(tmp).stat
+    seen: list[str] = []
+
+    def stat_then_rename(self, *a, **kw):  # the peer's os.replace lands right after this look
+        result = real_stat(self, *a, **kw)
+        if self.name == tmp.name and not seen and os.path.exists(tmp):
+            seen.append(self.name)
+            os.replace(tmp, tmp.with_name("rank-1.json"))
+        return result
+
+    monkeypatch.setattr(type(tmp), "stat", stat_then_rename)
+    listed = store.list("step-7/_ranks")
+    assert seen, "the race was not exercised"
+    assert "rank-0.json" in listed
+    assert set(listed) <= {"rank-0.json", "rank-1.json", "rank-1.json.tmp"}

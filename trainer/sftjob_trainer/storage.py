@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ContextManager, Protocol
@@ -96,6 +97,23 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def _sizes(base: Path) -> dict[str, int]:
+    """Every regular file under ``base`` with its size, in path order. A file that is
+    renamed or removed while we look (a peer's atomic write landing, a prune) is left
+    out: the listing is a snapshot, and ranks write beside each other all the time."""
+    found: dict[str, int] = {}
+    for dirpath, _dirs, names in os.walk(base):  # a directory gone mid-walk is skipped
+        for name in names:
+            path = Path(dirpath, name)
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found[str(path.relative_to(base))] = st.st_size
+    return dict(sorted(found.items()))
+
+
 # --------------------------------------------------------------------------- a local directory
 
 
@@ -151,7 +169,7 @@ class LocalDir:
         base = self.root / rel
         if not base.is_dir():
             return {}
-        return {str(p.relative_to(base)): p.stat().st_size for p in sorted(base.rglob("*")) if p.is_file()}
+        return _sizes(base)
 
     def delete_dir(self, rel: str) -> None:
         shutil.rmtree(self.root / rel, ignore_errors=True)

@@ -246,8 +246,9 @@ class Trainer:
             if stops:
                 raise Preempted(self._stop_checkpoint())
             if release:
-                log.warning("no stop came within %.0fs of the requested checkpoint step-%d: training on",
-                            hold_s, self.state.step)
+                if self.world.is_main:  # only rank 0 holds the clock (the others were told hold 0)
+                    log.warning("no stop came within %.0fs of the requested checkpoint step-%d: training on",
+                                hold_s, self.state.step)
                 self.metrics.gauge(holding=0)
                 return
 
