@@ -34,6 +34,7 @@ from hack.localcluster.logtap import LogTap
 from .faults import KINDS, OPT_IN, Fault, Injector, wait_for
 from .harness import (JOBS, REPO, Ctx, delete_jobs, install_operator, make_assets, manifest, say, spec_hash,
                       wait_finished)
+from .elastic import run_elastic
 from .monitor import Monitor
 from .report import rank0_log, report_checkpoints, report_faults, report_restarts, report_weights
 from .runner import plan_kinds, rank0_step, run_faulty
@@ -64,6 +65,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-install", action="store_true", help="the release is installed already")
     p.add_argument("--reuse-reference", action="store_true",
                    help="keep a Succeeded reference job of the same spec from an earlier run instead of rerunning it")
+    e = p.add_argument_group("the elastic job (nodes 2, minNodes 1) and its node-lost-long fault")
+    e.add_argument("--elastic", choices=("on", "off", "only"), default="on",
+                   help="run it after the faulty run (on), not at all (off), or alone (only)")
+    e.add_argument("--node-away", type=float, default=150.0, help="seconds the lost node stays away (default 150)")
+    e.add_argument("--elastic-steps", type=int, default=600, help="its training steps (default 600)")
+    e.add_argument("--elastic-interval", type=int, default=10, help="its checkpoint.interval (default 10)")
+    e.add_argument("--elastic-cooldown", type=int, default=20, help="its resources.resizeCooldownSeconds (default 20)")
     args = p.parse_args(argv)
     args.kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     bad = [k for k in args.kinds if k not in KINDS]
@@ -160,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_install:
         install_operator(ctx)
     make_assets(ctx)
+    if args.elastic == "only":
+        return finish_elastic(args, run_elastic(ctx), t0)
     ref_name, run_name = f"chaos-ref-{args.seed}", f"chaos-run-{args.seed}"
     ref_obj = manifest(args, ref_name)
     old = ctx.get_job(ref_name) if args.reuse_reference else None
@@ -244,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cmp_ok:
         problems.append("final weights are not bitwise identical to the reference run's")
 
+    if args.elastic == "on":
+        summary["elastic"] = run_elastic(ctx)
+        problems += summary["elastic"]["problems"]
     summary.update(
         faults=[{"index": f.index, "kind": f.kind, "step": f.at_step, "target": f.target, "detail": f.detail,
                  "expected": f.expected, "observed": f.observed, "ok": f.ok,
@@ -259,6 +272,23 @@ def main(argv: list[str] | None = None) -> int:
             print("  - " + p)
         return 1
     print(f"CHAOS PASSED: {len(faults)} faults of {len(kinds_used)} kinds ({', '.join(kinds_used)}); job Succeeded; "
-          f"final weights bitwise identical; no committed checkpoint lost; restart counters match "
-          f"({time.time() - t0:.0f}s; summary {args.workdir / 'summary.json'})")
+          f"final weights bitwise identical; no committed checkpoint lost; restart counters match"
+          + ("; the elastic job shrank, grew back and matched its reference" if args.elastic == "on" else "")
+          + f" ({time.time() - t0:.0f}s; summary {args.workdir / 'summary.json'})")
+    return 0
+
+
+def finish_elastic(args: argparse.Namespace, out: dict[str, Any], t0: float) -> int:
+    """--elastic only: the elastic scenario's summary and exit status."""
+    out.update(seed=args.seed, seconds=round(time.time() - t0), ok=not out["problems"])
+    (args.workdir / "summary.json").write_text(json.dumps({"elastic": out}, indent=1, default=str) + "\n")
+    print()
+    if out["problems"]:
+        print(f"CHAOS FAILED (elastic, {time.time() - t0:.0f}s):")
+        for p in out["problems"]:
+            print("  - " + p)
+        return 1
+    print(f"CHAOS PASSED (elastic): shrank to 1 pod {out.get('shrink_s')}s after the lost node was noticed, grew "
+          f"back {out.get('grow_s')}s after it returned; every step on the reference's samples; "
+          f"{time.time() - t0:.0f}s; summary {args.workdir / 'summary.json'}")
     return 0

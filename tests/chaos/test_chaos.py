@@ -77,6 +77,32 @@ def test_restarts_are_attributed_to_the_fault_before_them():
 
 
 @pytest.mark.unit
+def test_elastic_run_is_held_to_the_reference_data_order_and_loss_bound():
+    """The elastic chaos check: the same samples at every step, each epoch's once, losses
+    within the bound; a skipped, repeated or reordered sample or a loss off by more fails."""
+    from hack.chaos.elastic import LOSS_TOL, compare_runs
+
+    order = [[0, 1], [2, 3], [4, 5], [1, 0], [3, 2], [5, 4]]      # 3 steps per epoch of 6 samples
+    ref = {s + 1: {"sample_ids": ids, "loss": 1.0 / (s + 1)} for s, ids in enumerate(order)}
+
+    def run(**edits):
+        out = {s: dict(r) for s, r in ref.items()}
+        for s, r in edits.items():
+            out[int(s[1:])].update(r)
+        return out
+
+    summary, problems = compare_runs(run(s4={"loss": 0.25 + LOSS_TOL / 2}), ref, 6)
+    assert not problems and summary["samples_per_epoch"] == 6 and summary["steps_compared"] == 6
+    assert any("other samples" in p for p in compare_runs(run(s2={"sample_ids": [3, 2]}), ref, 6)[1])
+    repeated = compare_runs(run(s2={"sample_ids": [0, 1]}), ref, 6)[1]
+    assert any("samples once" in p for p in repeated), repeated
+    assert any("loss differs" in p for p in compare_runs(run(s5={"loss": 0.2 + 2 * LOSS_TOL}), ref, 6)[1])
+    missing = run()
+    del missing[3]
+    assert any("missing" in p for p in compare_runs(missing, ref, 6)[1])
+
+
+@pytest.mark.unit
 def test_weights_compared_byte_for_byte(tmp_path):
     import torch
     from safetensors.torch import save_file

@@ -1,0 +1,252 @@
+"""`make chaos`, part two (issue 25, item 7): an elastic job through a `node-lost-long` fault.
+
+The job (`nodes: 2, minNodes: 1`) trains until it has committed a checkpoint; then the node
+under one of its pods is lost as a reclaimed spot machine is (kubelet and containers killed,
+the Node turns NotReady) and stays away for --node-away seconds. The job must resume at 1 pod
+(`CapacityLost`), train there, and grow back to 2 (`CapacityReturned`) once the node returns;
+it must succeed with no failure and 2 resizes. A fixed-size reference run (`minNodes` unset,
+so the gang always restarts at 2) of the same spec then runs untouched.
+
+What is compared, and why not bit for bit:
+- **Data order, exactly.** Every step's sample ids (the trainer logs them) equal the
+  reference's step for step, and each epoch uses every sample once: the order is a function
+  of the seed and the step, never of the size, so a skipped, repeated or reordered sample fails.
+- **Losses and weights, within a bound.** At 1 pod a step's gradient is the sum of all its
+  micro-batches accumulated in one process; at 2 pods it is two partial sums added by the
+  all-reduce. Float32 addition is not associative, so from the first step at 1 pod the
+  gradient differs from the reference's in the last bits, and the optimizer carries that on.
+  A reference that followed the same size schedule would need the job to stop at exactly the
+  steps where the cluster happened to resize (a node's loss is noticed at no chosen step), so
+  the run is held against the fixed-size reference with the difference bounded: every step's
+  loss within LOSS_TOL, and the final weights' largest difference at most WEIGHT_TOL of the
+  largest change training made to any weight. A lost optimizer state or a wrong learning-rate
+  step at a resize moves both by far more (the trainer's own 2->1 resume test holds losses to
+  1e-4 over 12 steps).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from typing import Any
+
+from hack import localcluster
+from sftjob_contract import layout
+
+from .faults import wait_for
+from .harness import JOBS, Ctx, manifest, say, spec_hash, wait_finished
+from .monitor import split_uri
+from .weights import download
+
+LOSS_TOL = 1e-3
+WEIGHT_TOL = 0.02
+
+
+def elastic_manifest(args: argparse.Namespace, name: str, elastic: bool) -> dict[str, Any]:
+    obj = manifest(args, name)
+    spec = obj["spec"]
+    spec["training"].update(totalTrainingSteps=args.elastic_steps, logSampleIds=True)
+    spec["checkpoint"] = {"interval": args.elastic_interval, "keep": args.keep}
+    if elastic:
+        spec["resources"].update(minNodes=1, resizeCooldownSeconds=args.elastic_cooldown)
+    obj["metadata"]["labels"]["sftjob.io/chaos-spec"] = spec_hash(obj)
+    return obj
+
+
+def _status(ctx: Ctx, name: str) -> dict:
+    return (ctx.get_job(name) or {}).get("status") or {}
+
+
+def _at(ctx: Ctx, name: str, nodes: int):
+    def pred():
+        st = _status(ctx, name)
+        if st.get("phase") in ("Succeeded", "Failed"):
+            raise RuntimeError(f"{name} ended {st.get('phase')} before running at {nodes} pod(s): {st.get('message')}")
+        return st if st.get("nodes") == nodes and st.get("phase") == "Running" else None
+    return pred
+
+
+def _delete(ctx: Ctx, *names: str) -> None:
+    ns = ctx.args.namespace
+    for n in names:
+        if ctx.get_job(n):
+            ctx.kube.delete(f"{JOBS.format(ns=ns)}/{n}")
+    wait_for(lambda: not any(ctx.get_job(n) for n in names), 120, "the earlier elastic chaos jobs to go")
+    wait_for(lambda: not [p for p in ctx.kube.get(f"/api/v1/namespaces/{ns}/pods")["items"]
+                          if p["metadata"].get("labels", {}).get("sftjob.io/job-name") in names], 180,
+             "their pods to go")
+
+
+def _victim_node(ctx: Ctx, name: str) -> tuple[str, str]:
+    """A node under a training pod, preferring one that runs no operator pod (a lost operator
+    is `make chaos`'s other faults' business): (node, why)."""
+    a = ctx.args
+    pods = ctx.kube.get(f"/api/v1/namespaces/{a.namespace}/pods", labelSelector=f"sftjob.io/job-name={name}")["items"]
+    nodes = sorted({p["spec"].get("nodeName") for p in pods if (p.get("status") or {}).get("phase") == "Running"} - {None})
+    ops = {p["spec"].get("nodeName") for p in ctx.kube.get(
+        f"/api/v1/namespaces/{a.system_namespace}/pods", labelSelector=f"app.kubernetes.io/instance={a.release}")["items"]}
+    free = [n for n in nodes if n not in ops]
+    if free:
+        return free[-1], "under a training pod, no operator pod on it"
+    return nodes[-1], "under a training pod; the operator runs there too"
+
+
+def steps_logged(ctx: Ctx, st: dict) -> dict[int, dict]:
+    """Each step's last record (a redone step: the later attempt's) from the job's metrics.jsonl."""
+    bucket, key = split_uri(st["output"]["checkpointsUri"])
+    key = key.rsplit("/", 1)[0] + "/" + layout.METRICS_FILE
+    body = ctx.s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    rows = [json.loads(line) for line in body.splitlines() if line.strip()]
+    return {r["step"]: r for r in rows if "sample_ids" in r}
+
+
+def compare_runs(run: dict[int, dict], ref: dict[int, dict], steps: int) -> tuple[dict, list[str]]:
+    """Sample ids per step exactly, each epoch's samples once, losses within LOSS_TOL."""
+    problems = []
+    want = list(range(1, steps + 1))
+    for label, got in (("elastic", run), ("reference", ref)):
+        if sorted(got) != want:
+            problems.append(f"the {label} run logged steps {sorted(set(want) - set(got))[:10]} missing")
+    common = [s for s in want if s in run and s in ref]
+    differ = [s for s in common if run[s]["sample_ids"] != ref[s]["sample_ids"]]
+    if differ:
+        problems.append(f"{len(differ)} steps trained on other samples than the reference's, first step {differ[0]}: "
+                        f"{run[differ[0]]['sample_ids']} vs {ref[differ[0]]['sample_ids']}")
+    n_samples = len({i for r in ref.values() for i in r["sample_ids"]})
+    batch = len(ref[1]["sample_ids"]) if 1 in ref else 0
+    per_epoch = n_samples // batch if batch else 0
+    for first in range(1, steps - per_epoch + 2, per_epoch or 1):
+        ids = [i for s in range(first, first + per_epoch) if s in run for i in run[s]["sample_ids"]]
+        if per_epoch and (len(ids) != len(set(ids)) or len(ids) != n_samples):
+            problems.append(f"the epoch from step {first} did not use each of the {n_samples} samples once")
+            break
+    loss_diff = max((abs(run[s]["loss"] - ref[s]["loss"]) for s in common if "loss" in run[s]), default=0.0)
+    if loss_diff > LOSS_TOL:
+        problems.append(f"a step's loss differs from the reference's by {loss_diff:.2e} > {LOSS_TOL:g}")
+    return {"steps_compared": len(common), "steps_with_other_samples": len(differ), "samples_per_epoch": n_samples,
+            "max_loss_diff": loss_diff}, problems
+
+
+def compare_weights(ctx: Ctx, ref_st: dict, run_st: dict, base_uri: str) -> tuple[dict, list[str]]:
+    """The final weights' largest difference from the reference's, as a fraction of the largest
+    change training made to a weight (the reference's final weights against the base model)."""
+    import torch
+    from safetensors.torch import load_file
+
+    work = ctx.args.workdir / "elastic"
+    shutil.rmtree(work, ignore_errors=True)
+    dirs = {k: work / k for k in ("base", "reference", "elastic")}
+    download(ctx.s3, base_uri.rstrip("/"), dirs["base"])
+    download(ctx.s3, ref_st["output"]["uri"], dirs["reference"])
+    download(ctx.s3, run_st["output"]["uri"], dirs["elastic"])
+
+    def tensors(d):
+        out = {}
+        for f in sorted(d.rglob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    base, ref, run = (tensors(dirs[k]) for k in ("base", "reference", "elastic"))
+    problems = []
+    if set(ref) != set(run) or not ref:
+        return {}, [f"the exports hold other tensors: {sorted(set(ref) ^ set(run))[:5]}"]
+    diff = max(float((run[k].float() - ref[k].float()).abs().max()) for k in ref)
+    moved = max(float((ref[k].float() - base[k].float()).abs().max()) for k in ref if k in base)
+    identical = sum(torch.equal(run[k], ref[k]) for k in ref)
+    ratio = diff / moved if moved else float("inf")
+    if ratio > WEIGHT_TOL:
+        problems.append(f"final weights differ from the reference's by {diff:.2e}, {ratio:.1%} of the largest "
+                        f"update training made ({moved:.2e}); the bound is {WEIGHT_TOL:.0%}")
+    return {"tensors": len(ref), "bitwise_identical": identical, "max_abs_diff": diff, "largest_update": moved,
+            "ratio": ratio}, problems
+
+
+def run_elastic(ctx: Ctx) -> dict[str, Any]:
+    """The scenario; returns its summary with `problems` (empty: passed)."""
+    a = ctx.args
+    name, ref_name = f"chaos-elastic-{a.seed}", f"chaos-elastic-ref-{a.seed}"
+    _delete(ctx, name, ref_name)
+    out: dict[str, Any] = {"steps": a.elastic_steps, "node_away_s": a.node_away}
+    problems: list[str] = []
+    say(f"elastic job {a.namespace}/{name}: nodes 2, minNodes 1, {a.elastic_steps} steps, checkpoint every "
+        f"{a.elastic_interval}, resize cooldown {a.elastic_cooldown}s; fault node-lost-long ({a.node_away:g}s away)")
+    ctx.kube.create(JOBS.format(ns=a.namespace), elastic_manifest(a, name, elastic=True))
+    t0 = time.time()
+    wait_for(lambda: (st := _at(ctx, name, 2)()) and (st.get("progress") or {}).get("lastCheckpointStep"),
+             a.progress_timeout, "a committed checkpoint at 2 pods", interval=1)
+    node, why = _victim_node(ctx, name)
+    step0 = (_status(ctx, name).get("progress") or {}).get("step")
+    say(f"node-lost-long: {node} ({why}) lost at step {step0}")
+    t_lost = time.time()
+    localcluster.node_lost(node, cfg=ctx.cfg, kill_containers=True)
+    restored = False
+    try:
+        say(f"  {node} NotReady {time.time() - t_lost:.0f}s after its loss")
+        wait_for(lambda: (_status(ctx, name).get("restarts") or {}).get("preemptions", 0) >= 1, a.effect_timeout,
+                 "the lost node noticed (a preemption)", interval=0.5)
+        t_noticed = time.time()
+        st = wait_for(_at(ctx, name, 1), a.effect_timeout, "running at 1 pod", interval=0.5)
+        out["shrink_s"] = round(time.time() - t_noticed, 1)
+        out["shrink_reason"] = (st.get("resizes") or {}).get("lastReason")
+        step1 = (st.get("progress") or {}).get("step") or 0
+        say(f"  running at 1 pod {out['shrink_s']:.0f}s after the operator noticed (reason {out['shrink_reason']}, "
+            f"step {step1})")
+        while time.time() < t_lost + a.node_away:
+            st = _status(ctx, name)
+            if st.get("phase") in ("Succeeded", "Failed"):
+                break
+            time.sleep(2)
+        out["steps_at_1"] = ((st.get("progress") or {}).get("step") or 0) - step1
+        if st.get("phase") in ("Succeeded", "Failed"):
+            problems.append(f"the job ended {st.get('phase')} while the node was away: raise --elastic-steps")
+        localcluster.node_restore(node, cfg=ctx.cfg)
+        restored = True
+        t_back = time.time()
+        say(f"  {node} back after {t_back - t_lost:.0f}s; {out['steps_at_1']} steps trained at 1 pod meanwhile")
+        if not problems:
+            st = wait_for(_at(ctx, name, 2), a.effect_timeout + a.elastic_cooldown, "grown back to 2 pods", interval=0.5)
+            out["grow_s"] = round(time.time() - t_back, 1)
+            out["grow_reason"] = (st.get("resizes") or {}).get("lastReason")
+            say(f"  at 2 pods again {out['grow_s']:.0f}s after the node returned (reason {out['grow_reason']}, "
+                f"step {(st.get('progress') or {}).get('step')})")
+    except (TimeoutError, RuntimeError) as e:
+        problems.append(str(e))
+    finally:
+        if not restored:
+            localcluster.node_restore(node, cfg=ctx.cfg)
+    run = wait_finished(ctx, name, a.job_timeout)
+    st = run.get("status") or {}
+    out.update(phase=st.get("phase"), seconds=round(time.time() - t0), restarts=st.get("restarts"),
+               resizes=st.get("resizes"))
+    say(f"elastic job: {st.get('phase')} in {time.time() - t0:.0f}s, restarts {st.get('restarts')}, "
+        f"resizes {(st.get('resizes') or {}).get('count')}")
+    if st.get("phase") != "Succeeded":
+        problems.append(f"the elastic job ended {st.get('phase')}: {st.get('message')}")
+    if (st.get("restarts") or {}).get("failures", 0):
+        problems.append(f"the elastic job counted failures: {st.get('restarts')}")
+    if (st.get("resizes") or {}).get("count") != 2:
+        problems.append(f"the elastic job resized {(st.get('resizes') or {}).get('count')} times, not 2 (down, up)")
+    for key, want in (("shrink_reason", "CapacityLost"), ("grow_reason", "CapacityReturned")):
+        if key in out and out[key] != want:
+            problems.append(f"{key.split('_')[0]} reason {out[key]}, not {want}")
+
+    say(f"elastic reference {a.namespace}/{ref_name}: the same spec at a fixed 2 pods, no faults")
+    ref_obj = elastic_manifest(a, ref_name, elastic=False)
+    ctx.kube.create(JOBS.format(ns=a.namespace), ref_obj)
+    ref_st = wait_finished(ctx, ref_name, a.job_timeout).get("status") or {}
+    if ref_st.get("phase") != "Succeeded":
+        problems.append(f"the elastic reference ended {ref_st.get('phase')}: {ref_st.get('message')}")
+    elif st.get("phase") == "Succeeded":
+        data, found = compare_runs(steps_logged(ctx, st), steps_logged(ctx, ref_st), a.elastic_steps)
+        problems += found
+        weights, found = compare_weights(ctx, ref_st, st, ref_obj["spec"]["model"]["path"])
+        problems += found
+        out.update(data=data, weights=weights)
+        say(f"elastic vs reference: {data['steps_compared']} steps, {data['steps_with_other_samples']} on other "
+            f"samples; largest loss difference {data['max_loss_diff']:.2e} (bound {LOSS_TOL:g}); weights: "
+            f"{weights.get('bitwise_identical')}/{weights.get('tensors')} tensors bitwise equal, largest "
+            f"difference {weights.get('max_abs_diff', float('nan')):.2e} = {weights.get('ratio', float('nan')):.2%} "
+            f"of the largest update (bound {WEIGHT_TOL:.0%})")
+    out["problems"] = problems
+    return out
