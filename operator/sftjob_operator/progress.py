@@ -16,7 +16,7 @@ import logging
 import math
 import time
 from datetime import datetime, timezone
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -42,6 +42,16 @@ METRICS: dict[str, tuple[str, type]] = {
     M.SKIPPED_STEPS + M.COUNTER_SUFFIX: ("skippedSteps", int),
     M.FAILED_CHECKPOINT_COMMITS + M.COUNTER_SUFFIX: ("failedCheckpointCommits", int),
 }
+# trainer per-source gauge (label M.SOURCE_LABEL) -> status.progress.sources[] key
+SOURCE_METRICS: dict[str, str] = {
+    M.SOURCE_ROWS: "rows",
+    M.SOURCE_USABLE_ROWS: "usableRows",
+    M.SOURCE_DROPPED_ROWS: "droppedRows",
+    M.SOURCE_TRUNCATED_ROWS: "truncatedRows",
+    M.SOURCE_TOKENS: "tokens",
+    M.SOURCE_SAMPLES_PER_EPOCH: "samplesPerEpoch",
+}
+MAX_SOURCES = 64   # as many as data.sources allows; more is not a trainer's endpoint
 SCRAPE_TIMEOUT_S = 3.0
 CONNECT_TIMEOUT_S = 1.0
 MAX_BYTES = 1 << 20          # a trainer serves a few KiB; more is not a trainer's endpoint
@@ -50,11 +60,18 @@ MAX_BACKOFF_S = 20.0         # an endpoint that does not answer is tried less of
 MAX_CONCURRENT = 32
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """The contract's gauges from Prometheus text, keyed by status.progress names."""
-    out: dict[str, float] = {}
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The contract's gauges from Prometheus text, keyed by status.progress names; the
+    per-source preflight report as `sources`, a list in the trainer's order."""
+    out: dict[str, Any] = {}
+    sources: dict[str, dict[str, Any]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in SOURCE_METRICS:
+                name = sample.labels.get(M.SOURCE_LABEL)
+                if name and math.isfinite(sample.value) and (name in sources or len(sources) < MAX_SOURCES):
+                    sources.setdefault(name, {"name": name})[SOURCE_METRICS[sample.name]] = int(sample.value)
+                continue
             if sample.name not in METRICS:
                 continue
             key, kind = METRICS[sample.name]
@@ -62,6 +79,8 @@ def parse_metrics(text: str) -> dict[str, float]:
                 out[key] = kind(round(sample.value, 6)) if kind is float else kind(sample.value)
             elif sample.name == M.LOSS:
                 out[key] = sample.value   # NaN or ±inf: merge() shows it as text
+    if sources:
+        out["sources"] = list(sources.values())
     return out
 
 
@@ -72,7 +91,7 @@ def summary(step: int | None, total: int | None) -> str | None:
     return f"{step}/{total}" if total else str(step)
 
 
-def merge(progress: Progress, metrics: dict[str, float], now: str) -> Progress:
+def merge(progress: Progress, metrics: dict[str, Any], now: str) -> Progress:
     """New status.progress from a reading (keyed by status.progress names); `updatedTime`
     moves only when a value changed, so an idle scrape does not rewrite the status."""
     if not metrics.get("totalSteps"):
@@ -104,7 +123,7 @@ def merge(progress: Progress, metrics: dict[str, float], now: str) -> Progress:
     return new
 
 
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
     """GET url (a trainer's /metrics); None when it is not serving (yet) or serves junk."""
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S)
     try:
@@ -165,9 +184,9 @@ class Scraper:
         self.slots = asyncio.Semaphore(concurrency)
         self.targets: dict[Hashable, tuple[str, str]] = {}
         self.tasks: dict[Hashable, asyncio.Task] = {}
-        self.latest: dict[Hashable, dict[str, float]] = {}
+        self.latest: dict[Hashable, dict[str, Any]] = {}
 
-    def want(self, key: Hashable, pod_uid: str, url: str) -> dict[str, float] | None:
+    def want(self, key: Hashable, pod_uid: str, url: str) -> dict[str, Any] | None:
         target = (pod_uid, url)
         if self.targets.get(key) != target:
             self.forget(key)

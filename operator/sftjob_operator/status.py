@@ -96,6 +96,19 @@ class CheckpointRequest(StatusModel):
                                "did not; the stop then goes ahead (the pods still checkpoint on SIGTERM).")
 
 
+class SourceReport(StatusModel):
+    """The trainer's preflight report of one training source, read once it has scanned the data."""
+
+    name: str = Field(description="The source: data.sources[].name, or train for data.trainFiles.")
+    rows: int | None = Field(default=None, description="Rows read.")
+    usable_rows: int | None = Field(default=None, description="Rows that train.")
+    dropped_rows: int | None = Field(default=None, description="Rows without a trainable token (an empty "
+                                     "response, or one truncated away), left out.")
+    truncated_rows: int | None = Field(default=None, description="Rows cut to data.maxLength.")
+    tokens: int | None = Field(default=None, description="Tokens of the usable rows, after truncation.")
+    samples_per_epoch: int | None = Field(default=None, description="Its weight's share of an epoch, in samples.")
+
+
 class Progress(StatusModel):
     """Training progress mirrored from the rank-0 trainer's metrics endpoint."""
 
@@ -134,6 +147,9 @@ class Progress(StatusModel):
     steps_lost: int | None = Field(default=None, description="Steps trained and then lost to restarts (redone).")
     goodput: float | None = Field(
         default=None, description="trainingSeconds over the wall time since the job was created (0 to 1).")
+    sources: list[SourceReport] | None = Field(
+        default=None, description="The preflight report per training source (data.sources, or one source train): "
+        "what was read, kept, dropped and truncated, and each source's samples per epoch.")
     reading_attempt: int | None = Field(default=None, description="The attempt whose pods gave the last reading.")
     last_step_time: str | None = Field(default=None, description="When step last advanced (RFC 3339).")
     updated_time: str | None = Field(default=None, description="When these values were last read (RFC 3339).")

@@ -61,6 +61,8 @@ def test_example_runs_to_success_and_shows_progress(cluster, operator, example_n
     assert condition(job, "Ready")["status"] == "True"
     assert job["status"]["restarts"] == {"failures": 0, "preemptions": 0, "total": 0}
     assert job["status"]["progress"]["step"] == 40
+    sources = job["status"]["progress"].get("sources") or []   # the trainer's preflight report, in status
+    assert [s["name"] for s in sources] == ["train"] and 0 < sources[0]["usableRows"] <= sources[0]["rows"], sources
     assert not live(pods_of(cluster, ns, "tiny-lora"))
 
 

@@ -202,3 +202,24 @@ def test_work_at_risk_is_the_steps_and_time_since_the_last_commit():
                            "lastCheckpointTime": 1767268800.0}, "2026-01-01T12:00:05Z")
     assert p.steps_since_checkpoint == 2 and p.last_checkpoint_time == "2026-01-01T12:00:00Z"
     assert merge(Progress(), {"step": 3, "totalSteps": 40}, "t").steps_since_checkpoint == 3
+
+
+def test_the_preflight_report_per_source_reaches_status():
+    """Issue 27: the per-source report (rows, dropped, truncated, tokens) in status, not only
+    in the log: the trainer's labelled gauges become status.progress.sources, in its order."""
+    from sftjob_contract import metrics as M
+
+    rows = [("chat", 300, 290, 10, 4, 9000, 500), ("code", 200, 200, 0, 0, 7000, 300), ("jsonl", 90, 88, 2, 1, 2000, 200)]
+    text = TEXT
+    for metric, col in ((M.SOURCE_ROWS, 1), (M.SOURCE_USABLE_ROWS, 2), (M.SOURCE_DROPPED_ROWS, 3),
+                        (M.SOURCE_TRUNCATED_ROWS, 4), (M.SOURCE_TOKENS, 5), (M.SOURCE_SAMPLES_PER_EPOCH, 6)):
+        text += f"# TYPE {metric} gauge\n" + "".join(f'{metric}{{source="{r[0]}"}} {float(r[col])}\n' for r in rows)
+    got = progress.parse_metrics(text)
+    assert got["sources"][0] == {"name": "chat", "rows": 300, "usableRows": 290, "droppedRows": 10,
+                                 "truncatedRows": 4, "tokens": 9000, "samplesPerEpoch": 500}
+    assert [s["name"] for s in got["sources"]] == ["chat", "code", "jsonl"]
+    st = progress.merge(Progress(), got, "T1").model_dump(by_alias=True, exclude_none=True)
+    assert st["sources"][2] == {"name": "jsonl", "rows": 90, "usableRows": 88, "droppedRows": 2, "truncatedRows": 1,
+                                "tokens": 2000, "samplesPerEpoch": 200}
+    assert st["step"] == 12   # beside the other values, which are unchanged
+    assert "sources" not in progress.parse_metrics(TEXT)
