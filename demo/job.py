@@ -32,6 +32,9 @@ def job_manifest(args: argparse.Namespace, crd: dict | None = None,
     if crd is not None and "peakTflops" not in spec["training"] and training_fields(crd) >= {"peakTflops"}:
         spec["training"]["peakTflops"] = CPU_PEAK_TFLOPS
         notes.append(f"training.peakTflops={CPU_PEAK_TFLOPS} (nominal for one CPU core, so that MFU is reported)")
+    if crd is not None and "tracking" not in spec and "tracking" in spec_fields(crd):
+        spec["tracking"] = {"tensorboard": True}
+        notes.append("tracking.tensorboard=true (event files beside the outputs: the run in TensorBoard, stage 6)")
     if args.steps:
         spec["training"]["totalTrainingSteps"] = args.steps
         interval = min(spec["checkpoint"]["interval"], max(1, args.steps // 2))
@@ -42,13 +45,20 @@ def job_manifest(args: argparse.Namespace, crd: dict | None = None,
     return obj, notes
 
 
-def training_fields(crd: dict) -> set[str]:
-    """spec.training's keys in the CRD the cluster serves (an older CRD may lack new ones)."""
+def spec_fields(crd: dict, *path: str) -> set[str]:
+    """The keys of spec (or of spec.<path>) in the CRD the cluster serves (an older CRD may lack new ones)."""
     try:
-        schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-        return set(schema["properties"]["spec"]["properties"]["training"]["properties"])
+        node = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        for key in path:
+            node = node["properties"][key]
+        return set(node["properties"])
     except (KeyError, IndexError):
         return set()
+
+
+def training_fields(crd: dict) -> set[str]:
+    """spec.training's keys in the CRD the cluster serves."""
+    return spec_fields(crd, "training")
 
 
 def _delete_previous(ctx: Ctx) -> None:

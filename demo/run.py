@@ -14,6 +14,7 @@ Stages (each printed as it starts, each a module of this package):
   5. model:    download the exported model from status.output.uri, load it with transformers
      and answer the validation prompts next to the base model (inference);
   6. metrics:  summarise the run from Prometheus' HTTP API and draw the loss curve (plot);
+     read the run's TensorBoard event files back from S3 (tensorboard) and say how to open them;
   7. leave the cluster running.
 
 Idempotent: a second run reuses the cluster, upgrades the release, re-creates the job.
@@ -34,6 +35,7 @@ from demo.context import REPO, Ctx
 from demo.job import job_manifest, stage_job
 from demo.metrics import stage_metrics
 from demo.model import stage_model
+from demo.tensorboard import stage_tensorboard
 from demo.ui import Out
 
 
@@ -65,6 +67,7 @@ def _finish(ctx: Ctx) -> None:
     out.stage(7, "Done: the cluster keeps running")
     out.say(f"kubectl:    source .cluster/env && kubectl -n {args.namespace} get sft,pods")
     out.say(f"model:      {ctx.summary.get('model_dir')}   loss curve: {args.workdir / 'loss.png'}")
+    out.say(f"TensorBoard: tensorboard --logdir {(ctx.summary.get('tensorboard') or {}).get('dir')}")
     if args.keep_prometheus:
         out.say(f"Prometheus: {ctx.prom.url} (pid {ctx.prom.pid()})")
     else:
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         job = stage_job(ctx)
         stage_model(ctx, job)
         stage_metrics(ctx)
+        stage_tensorboard(ctx, job)
         _finish(ctx)
         rc = 0
     except SystemExit as e:

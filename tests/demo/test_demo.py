@@ -97,6 +97,18 @@ def test_demo_runs_end_to_end(demo, cluster):
         assert all(g["correct"] for g in s["generations"]), s["generations"]
 
 
+def test_the_run_is_in_tensorboard_every_step_once_across_the_preemption(demo):
+    """Issue 27: the demo shows where to look. Its job logs to TensorBoard; the event files the
+    trainer published to S3 hold train/loss at every step exactly once, though the gang was
+    preempted and resumed, and the validation losses."""
+    tb = demo["summary"].get("tensorboard")
+    assert tb, demo["proc"].stdout[-3000:]
+    assert tb["train_loss_steps"] == list(range(1, STEPS + 1)), tb
+    assert len(tb["files"]) >= 2, "one event file per attempt: the preempted attempt's steps are in the first"
+    assert tb["val_loss_steps"] and "train/lr" in tb["tags"], tb
+    assert "tensorboard --logdir" in demo["proc"].stdout
+
+
 def test_pods_run_the_locally_built_images_as_their_non_root_users(demo):
     """The operator's and the trainer's pods run from the images `make images` built here (the
     image ID the runtime reports is the built image's), as the images' non-root users."""

@@ -34,6 +34,7 @@ def test_demo_steps_keep_a_checkpoint_and_validation_before_the_end():
     if "peakTflops" in job.training_fields(crd):
         assert t["peakTflops"] == job.CPU_PEAK_TFLOPS
     assert len(notes) >= 2
+    assert obj["spec"]["tracking"] == {"tensorboard": True}, "the demo shows the run in TensorBoard"
 
 
 def test_rows_of_separate_kubectl_calls_line_up():
