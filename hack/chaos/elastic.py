@@ -34,7 +34,10 @@ from typing import Any
 from hack import localcluster
 from sftjob_contract import layout
 
+from hack.localcluster.logtap import LogTap
+
 from .faults import wait_for
+from .gap import PodClock, breakdown, describe
 from .harness import JOBS, Ctx, manifest, say, spec_hash, wait_finished
 from .monitor import split_uri
 from .weights import download
@@ -171,6 +174,10 @@ def run_elastic(ctx: Ctx) -> dict[str, Any]:
     problems: list[str] = []
     say(f"elastic job {a.namespace}/{name}: nodes 2, minNodes 1, {a.elastic_steps} steps, checkpoint every "
         f"{a.elastic_interval}, resize cooldown {a.elastic_cooldown}s; fault node-lost-long ({a.node_away:g}s away)")
+    tap = LogTap(ctx.kube, a.namespace, f"sftjob.io/job-name={name}", a.workdir / "elastic-logs",
+                 timestamps=True).start()
+    clock = PodClock(ctx.kube, a.namespace, name)
+    clock.start()
     ctx.kube.create(JOBS.format(ns=a.namespace), elastic_manifest(a, name, elastic=True))
     t0 = time.time()
     wait_for(lambda: (st := _at(ctx, name, 2)()) and (st.get("progress") or {}).get("lastCheckpointStep"),
@@ -217,6 +224,15 @@ def run_elastic(ctx: Ctx) -> dict[str, Any]:
             localcluster.node_restore(node, cfg=ctx.cfg)
     run = wait_finished(ctx, name, a.job_timeout)
     st = run.get("status") or {}
+    clock.stop()
+    tap.stop()
+    out["gaps"] = {}
+    for attempt in sorted({t.attempt for t in clock.pods.values() if t.attempt.isdigit()}, key=int)[1:]:
+        gap = breakdown(clock.pods, attempt, tap.path(f"{name}-node-0", "trainer"))
+        if gap:
+            out["gaps"][attempt] = gap
+            size = len({t.name for t in clock.pods.values() if t.attempt == attempt})
+            say(f"  restart gap before attempt {attempt} ({size} pod(s)): {describe(gap)}")
     out.update(phase=st.get("phase"), seconds=round(time.time() - t0), restarts=st.get("restarts"),
                resizes=st.get("resizes"))
     say(f"elastic job: {st.get('phase')} in {time.time() - t0:.0f}s, restarts {st.get('restarts')}, "

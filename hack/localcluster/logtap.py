@@ -17,8 +17,10 @@ from .kube import ApiError, Kube
 
 
 class LogTap:
-    def __init__(self, kube: Kube, namespace: str, label_selector: str, directory: Path, poll_s: float = 1.0):
+    def __init__(self, kube: Kube, namespace: str, label_selector: str, directory: Path, poll_s: float = 1.0,
+                 timestamps: bool = False):
         self.kube, self.ns, self.selector, self.dir, self.poll_s = kube, namespace, label_selector, Path(directory), poll_s
+        self.timestamps = timestamps   # each line starts with the kubelet's RFC 3339 time (kubectl logs --timestamps)
         self._stop = threading.Event()
         self._followed: set[tuple[str, str]] = set()   # (pod uid, container)
         self._lock = threading.Lock()
@@ -61,7 +63,8 @@ class LogTap:
         try:
             with out.open("ab") as f:
                 for line in self.kube.lines(f"/api/v1/namespaces/{self.ns}/pods/{pod}/log", 3600,
-                                            container=container, follow="true"):
+                                            container=container, follow="true",
+                                            **({"timestamps": "true"} if self.timestamps else {})):
                     f.write(line)
                     f.flush()
                     if self._stop.is_set():

@@ -103,6 +103,30 @@ def test_elastic_run_is_held_to_the_reference_data_order_and_loss_bound():
 
 
 @pytest.mark.unit
+def test_restart_gap_is_split_at_each_mark_of_the_old_and_the_new_gang(tmp_path):
+    from hack.chaos.gap import SEGMENTS, PodTimes, breakdown, describe, rfc3339
+
+    t0 = rfc3339("2026-12-03T10:00:00Z")
+    assert rfc3339("2026-12-03T10:00:01.123456789Z") - t0 == pytest.approx(1.123456)
+    pods = {
+        "a": PodTimes("j-node-0", "0", "0", created=t0 - 60, deleting=t0, gone=t0 + 4),
+        "b": PodTimes("j-node-1", "0", "1", created=t0 - 60, deleting=t0 + 1, gone=t0 + 9),
+        "c": PodTimes("j-node-0", "1", "0", created=t0 + 10, scheduled=t0 + 11, started=t0 + 14),
+    }
+    log = tmp_path / "trainer.log"
+    log.write_text(
+        "2026-12-03T09:59:30.000000000Z 09:59:30 [rank0] INFO sftjob_trainer.train: step 5/40 loss 1.0\n"
+        "2026-12-03T10:00:20.500000000Z 10:00:20 [rank0] INFO sftjob_trainer.model: model s3://m: 1M parameters\n"
+        "2026-12-03T10:00:22.000000000Z 10:00:22 [rank0] INFO sftjob_trainer.train: resumed from s3://x/step-5\n"
+        "2026-12-03T10:00:23.000000000Z 10:00:23 [rank0] INFO sftjob_trainer.train: step 6/40 loss 0.9\n")
+    gap = breakdown(pods, "1", log)
+    assert [gap[s] for s in SEGMENTS] == [9.0, 1.0, 1.0, 3.0, 6.5, 1.5, 1.0]
+    assert gap["total"] == 23.0 == sum(gap[s] for s in SEGMENTS)
+    assert describe(gap).startswith("23.0s = stop 9.0s + relaunch 1.0s")
+    assert breakdown(pods, "0", log) == {}, "the first gang has no gap before it"
+
+
+@pytest.mark.unit
 def test_weights_compared_byte_for_byte(tmp_path):
     import torch
     from safetensors.torch import save_file
