@@ -1,11 +1,16 @@
 """Pods of an earlier gang attempt: the next gang waits for them. Pure; no I/O.
 
 Policy: an earlier gang is stopped (its pods checkpoint on SIGTERM) and the next gang is
-created only once every one of its pods is gone, so two gangs never train into the same
-checkpoints. A pod whose node is lost cannot finish terminating by itself (no kubelet
-confirms it), so once its grace period has been over for FORCE_DELETE_AFTER_S while its
-node is not ready, it is force-deleted (grace period 0). Otherwise the job says which pod
-it waits for.
+created only once every one of its pods is gone: the pod names are reused, and a pod that
+still runs may still be checkpointing. A pod whose node is lost (not ready, as held against
+the pod) cannot finish terminating by itself: no kubelet is there to run its SIGTERM or to
+confirm it. Waiting out its grace period buys nothing, so once its deletion is requested it
+is force-deleted (grace period 0). What keeps a trainer still running there (a partition
+rather than a dead machine) from harming the job is fencing, not the wait: the new attempt
+claims the output, and a stale rank cannot commit, prune or export (trainer fence.py). The
+wait used to be the grace period plus 30 s, about 60 s of every shrink on a lost node
+(measured by `make chaos`'s restart-gap breakdown). Otherwise the job says which pod it
+waits for.
 """
 from __future__ import annotations
 
@@ -16,12 +21,10 @@ from typing import Any
 from .failure_policy import NodeReadiness, node_ready_for
 from .status import parse_time
 
-FORCE_DELETE_AFTER_S = 30.0  # past its grace period, a pod on a NotReady node is force-deleted
-
 
 @dataclass(frozen=True)
 class Lingering:
-    """A stale pod whose grace period is over: force-delete it, or say that the job waits."""
+    """A stale pod on a lost node (force-delete it) or past its grace period (say that the job waits)."""
 
     pod: str
     force_delete: bool
@@ -29,19 +32,21 @@ class Lingering:
 
 
 def lingering(stale: list[dict[str, Any]], node_ready: dict[str, NodeReadiness], now: datetime) -> list[Lingering]:
-    """The stale pods still there after their grace period, and what to do about each."""
+    """The stale pods that need a word or a force-delete, and which."""
     out = []
     for pod in stale:
         meta, node = pod["metadata"], (pod.get("spec") or {}).get("nodeName", "")
         deadline = parse_time(meta.get("deletionTimestamp"))
-        if deadline is None or now < deadline:
+        if deadline is None:
             continue
         where = f"node {node}" if node else "no node"
-        over = (now - deadline).total_seconds()
-        if node_ready_for(pod, node_ready.get(node)) is False and over >= FORCE_DELETE_AFTER_S:
+        if node_ready_for(pod, node_ready.get(node)) is False:
             out.append(Lingering(meta["name"], True,
-                                 f"pod {meta['name']} was still terminating on {where}, which is not ready, "
-                                 f"{over:.0f}s after its grace period; force-deleted so that the gang can restart"))
+                                 f"pod {meta['name']} was terminating on {where}, which is not ready, so no kubelet "
+                                 f"can end it; force-deleted so that the gang can restart (a trainer still running "
+                                 f"there is fenced off the output)"))
+        elif now < deadline:
+            continue
         else:
             out.append(Lingering(meta["name"], False,
                                  f"waiting for pod {meta['name']} of an earlier attempt to terminate on {where} "
