@@ -7,21 +7,21 @@ the Node turns NotReady) and stays away for --node-away seconds. The job must re
 it must succeed with no failure and 2 resizes. A fixed-size reference run (`minNodes` unset,
 so the gang always restarts at 2) of the same spec then runs untouched.
 
-What is compared, and why not bit for bit:
-- **Data order, exactly.** Every step's sample ids (the trainer logs them) equal the
-  reference's step for step, and each epoch uses every sample once: the order is a function
-  of the seed and the step, never of the size, so a skipped, repeated or reordered sample fails.
-- **Losses and weights, within a bound.** At 1 pod a step's gradient is the sum of all its
-  micro-batches accumulated in one process; at 2 pods it is two partial sums added by the
-  all-reduce. Float32 addition is not associative, so from the first step at 1 pod the
-  gradient differs from the reference's in the last bits, and the optimizer carries that on.
-  A reference that followed the same size schedule would need the job to stop at exactly the
-  steps where the cluster happened to resize (a node's loss is noticed at no chosen step), so
-  the run is held against the fixed-size reference with the difference bounded: every step's
-  loss within LOSS_TOL, and the final weights' largest difference at most WEIGHT_TOL of the
-  largest change training made to any weight. A lost optimizer state or a wrong learning-rate
-  step at a resize moves both by far more (the trainer's own 2->1 resume test holds losses to
-  1e-4 over 12 steps).
+What is compared: everything, bit for bit.
+- **Data order.** Every step's sample ids (the trainer logs them) equal the reference's, and
+  no epoch repeats a sample: the order is a function of the seed and the step, never of the
+  size, so a skipped, repeated or reordered sample fails.
+- **Losses and final weights, bitwise.** The global batch and the micro-batches do not change
+  with the size, so a step at 1 pod adds the same two micro-batch gradients the all-reduce
+  adds at 2 pods, and in the same order. One operation of the step depends on the size: the
+  gradient norm, which FSDP computes per shard and combines across ranks, and which rounds
+  differently from the norm of the whole tensor in one process. It decides the update only
+  through clipping, so these jobs train with `optim.clipGrad: 0`. Measured with clipping on
+  (the default 1.0, seed 1): losses bitwise equal through step 173 of 600 although steps
+  28-456 ran at 1 pod; at step 172 the norms were 1.3337537 (elastic) and 1.3337536
+  (reference), the clip factors differed in the last bit, and at this learning rate the two
+  trajectories then drift apart (final loss 1.1e-4 against 5.3e-4). Without clipping nothing
+  is left that could differ, so the check is exact.
 """
 from __future__ import annotations
 
@@ -40,16 +40,13 @@ from .faults import wait_for
 from .gap import PodClock, breakdown, describe
 from .harness import JOBS, Ctx, manifest, say, spec_hash, wait_finished
 from .monitor import split_uri
-from .weights import download
-
-LOSS_TOL = 1e-3
-WEIGHT_TOL = 0.02
-
+from .weights import compare_dirs, download
 
 def elastic_manifest(args: argparse.Namespace, name: str, elastic: bool) -> dict[str, Any]:
     obj = manifest(args, name)
     spec = obj["spec"]
     spec["training"].update(totalTrainingSteps=args.elastic_steps, logSampleIds=True)
+    spec["training"]["optim"]["clipGrad"] = 0   # the one size-dependent rounding (module docstring)
     spec["checkpoint"] = {"interval": args.elastic_interval, "keep": args.keep}
     if elastic:
         spec["resources"].update(minNodes=1, resizeCooldownSeconds=args.elastic_cooldown)
@@ -105,7 +102,7 @@ def steps_logged(ctx: Ctx, st: dict) -> dict[int, dict]:
 
 
 def compare_runs(run: dict[int, dict], ref: dict[int, dict], steps: int) -> tuple[dict, list[str]]:
-    """Sample ids per step exactly, each epoch's samples once, losses within LOSS_TOL."""
+    """Sample ids per step exactly, no sample twice in an epoch, every loss bitwise equal."""
     problems = []
     want = list(range(1, steps + 1))
     for label, got in (("elastic", run), ("reference", ref)):
@@ -116,53 +113,37 @@ def compare_runs(run: dict[int, dict], ref: dict[int, dict], steps: int) -> tupl
     if differ:
         problems.append(f"{len(differ)} steps trained on other samples than the reference's, first step {differ[0]}: "
                         f"{run[differ[0]]['sample_ids']} vs {ref[differ[0]]['sample_ids']}")
+    # An epoch is the whole global batches that fit in the data (the remainder waits for the next).
     n_samples = len({i for r in ref.values() for i in r["sample_ids"]})
     batch = len(ref[1]["sample_ids"]) if 1 in ref else 0
     per_epoch = n_samples // batch if batch else 0
     for first in range(1, steps - per_epoch + 2, per_epoch or 1):
         ids = [i for s in range(first, first + per_epoch) if s in run for i in run[s]["sample_ids"]]
-        if per_epoch and (len(ids) != len(set(ids)) or len(ids) != n_samples):
-            problems.append(f"the epoch from step {first} did not use each of the {n_samples} samples once")
+        if per_epoch and not len(ids) == len(set(ids)) == per_epoch * batch:
+            problems.append(f"the epoch from step {first} repeated or missed a sample ({len(set(ids))} distinct of "
+                            f"{per_epoch * batch})")
             break
-    loss_diff = max((abs(run[s]["loss"] - ref[s]["loss"]) for s in common if "loss" in run[s]), default=0.0)
-    if loss_diff > LOSS_TOL:
-        problems.append(f"a step's loss differs from the reference's by {loss_diff:.2e} > {LOSS_TOL:g}")
-    return {"steps_compared": len(common), "steps_with_other_samples": len(differ), "samples_per_epoch": n_samples,
-            "max_loss_diff": loss_diff}, problems
+    losses = [s for s in common if run[s].get("loss") != ref[s].get("loss")]
+    loss_diff = max((abs(run[s]["loss"] - ref[s]["loss"]) for s in losses), default=0.0)
+    if losses:
+        s = losses[0]
+        problems.append(f"{len(losses)} steps' losses differ from the reference's, first step {s}: {run[s]['loss']!r} vs "
+                        f"{ref[s]['loss']!r} (grad norm {run[s].get('grad_norm')!r} vs {ref[s].get('grad_norm')!r})")
+    return {"steps_compared": len(common), "steps_with_other_samples": len(differ), "samples_per_epoch":
+            per_epoch * batch, "steps_with_other_losses": len(losses), "max_loss_diff": loss_diff}, problems
 
 
-def compare_weights(ctx: Ctx, ref_st: dict, run_st: dict, base_uri: str) -> tuple[dict, list[str]]:
-    """The final weights' largest difference from the reference's, as a fraction of the largest
-    change training made to a weight (the reference's final weights against the base model)."""
-    import torch
-    from safetensors.torch import load_file
-
+def compare_weights(ctx: Ctx, ref_st: dict, run_st: dict) -> tuple[dict, list[str]]:
+    """Both exports downloaded and compared tensor by tensor, byte for byte."""
     work = ctx.args.workdir / "elastic"
     shutil.rmtree(work, ignore_errors=True)
-    dirs = {k: work / k for k in ("base", "reference", "elastic")}
-    download(ctx.s3, base_uri.rstrip("/"), dirs["base"])
-    download(ctx.s3, ref_st["output"]["uri"], dirs["reference"])
-    download(ctx.s3, run_st["output"]["uri"], dirs["elastic"])
-
-    def tensors(d):
-        out = {}
-        for f in sorted(d.rglob("*.safetensors")):
-            out.update(load_file(str(f)))
-        return out
-
-    base, ref, run = (tensors(dirs[k]) for k in ("base", "reference", "elastic"))
-    problems = []
-    if set(ref) != set(run) or not ref:
-        return {}, [f"the exports hold other tensors: {sorted(set(ref) ^ set(run))[:5]}"]
-    diff = max(float((run[k].float() - ref[k].float()).abs().max()) for k in ref)
-    moved = max(float((ref[k].float() - base[k].float()).abs().max()) for k in ref if k in base)
-    identical = sum(torch.equal(run[k], ref[k]) for k in ref)
-    ratio = diff / moved if moved else float("inf")
-    if ratio > WEIGHT_TOL:
-        problems.append(f"final weights differ from the reference's by {diff:.2e}, {ratio:.1%} of the largest "
-                        f"update training made ({moved:.2e}); the bound is {WEIGHT_TOL:.0%}")
-    return {"tensors": len(ref), "bitwise_identical": identical, "max_abs_diff": diff, "largest_update": moved,
-            "ratio": ratio}, problems
+    download(ctx.s3, ref_st["output"]["uri"], work / "reference")
+    download(ctx.s3, run_st["output"]["uri"], work / "elastic")
+    cmp = compare_dirs(work / "reference", work / "elastic")
+    for line in cmp.lines():
+        say("  " + line)
+    summary = {"tensors": cmp.tensors, "identical": cmp.identical, "differing": cmp.differing, "files": cmp.files}
+    return summary, [] if cmp.ok else ["the elastic job's final weights are not bitwise identical to the reference's"]
 
 
 def run_elastic(ctx: Ctx) -> dict[str, Any]:
@@ -256,13 +237,10 @@ def run_elastic(ctx: Ctx) -> dict[str, Any]:
     elif st.get("phase") == "Succeeded":
         data, found = compare_runs(steps_logged(ctx, st), steps_logged(ctx, ref_st), a.elastic_steps)
         problems += found
-        weights, found = compare_weights(ctx, ref_st, st, ref_obj["spec"]["model"]["path"])
+        say(f"elastic vs reference: {data['steps_compared']} steps, {data['steps_with_other_samples']} on other "
+            f"samples, {data['steps_with_other_losses']} with another loss; final weights:")
+        weights, found = compare_weights(ctx, ref_st, st)
         problems += found
         out.update(data=data, weights=weights)
-        say(f"elastic vs reference: {data['steps_compared']} steps, {data['steps_with_other_samples']} on other "
-            f"samples; largest loss difference {data['max_loss_diff']:.2e} (bound {LOSS_TOL:g}); weights: "
-            f"{weights.get('bitwise_identical')}/{weights.get('tensors')} tensors bitwise equal, largest "
-            f"difference {weights.get('max_abs_diff', float('nan')):.2e} = {weights.get('ratio', float('nan')):.2%} "
-            f"of the largest update (bound {WEIGHT_TOL:.0%})")
     out["problems"] = problems
     return out
