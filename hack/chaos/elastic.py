@@ -37,7 +37,7 @@ from sftjob_contract import layout
 from hack.localcluster.logtap import LogTap
 
 from .faults import wait_for
-from .gap import PodClock, breakdown, describe
+from .gap import PodClock, breakdown, describe, marks
 from .harness import JOBS, Ctx, manifest, say, spec_hash, wait_finished
 from .monitor import split_uri
 from .weights import compare_dirs, download
@@ -173,7 +173,7 @@ def run_elastic(ctx: Ctx) -> dict[str, Any]:
         say(f"  {node} NotReady {time.time() - t_lost:.0f}s after its loss")
         wait_for(lambda: (_status(ctx, name).get("restarts") or {}).get("preemptions", 0) >= 1, a.effect_timeout,
                  "the lost node noticed (a preemption)", interval=0.5)
-        t_noticed = time.time()
+        t_noticed = out["noticed_at"] = time.time()
         st = wait_for(_at(ctx, name, 1), a.effect_timeout, "running at 1 pod", interval=0.5)
         out["shrink_s"] = round(time.time() - t_noticed, 1)
         out["shrink_reason"] = (st.get("resizes") or {}).get("lastReason")
@@ -214,6 +214,10 @@ def run_elastic(ctx: Ctx) -> dict[str, Any]:
             out["gaps"][attempt] = gap
             size = len({t.name for t in clock.pods.values() if t.attempt == attempt})
             say(f"  restart gap before attempt {attempt} ({size} pod(s)): {describe(gap)}")
+            first = marks(clock.pods, attempt, tap.path(f"{name}-node-0", "trainer")).get("first step")
+            if size == 1 and first and "noticed_at" in out:   # the acceptance's measure: noticed -> training
+                out["first_step_at_1_s"] = round(first - out["noticed_at"], 1)
+                say(f"  first step at 1 pod {out['first_step_at_1_s']:.1f}s after the operator noticed the lost node")
     out.update(phase=st.get("phase"), seconds=round(time.time() - t0), restarts=st.get("restarts"),
                resizes=st.get("resizes"))
     say(f"elastic job: {st.get('phase')} in {time.time() - t0:.0f}s, restarts {st.get('restarts')}, "

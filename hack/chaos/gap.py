@@ -125,8 +125,9 @@ def log_times(path: Path, since: float) -> dict[str, float]:
     return out
 
 
-def breakdown(pods: dict[str, PodTimes], attempt: str, log: Path) -> dict[str, float | None]:
-    """Seconds per segment of the gap before gang `attempt` (an attempt label), and `total`."""
+def marks(pods: dict[str, PodTimes], attempt: str, log: Path) -> dict[str, float | None]:
+    """When (epoch seconds) each segment of the gap before gang `attempt` (an attempt label)
+    ended, and `begin`; {} for the first gang or one not seen."""
     new = [t for t in pods.values() if t.attempt == attempt]
     old_attempts = sorted({t.attempt for t in pods.values() if t.attempt.isdigit() and attempt.isdigit()
                            and int(t.attempt) < int(attempt)}, key=int)
@@ -134,22 +135,30 @@ def breakdown(pods: dict[str, PodTimes], attempt: str, log: Path) -> dict[str, f
     if not new or not old:
         return {}
     rank0 = next((t for t in new if t.rank == "0"), new[0])
-    marks = {
+    found: dict[str, float | None] = {
         "begin": min((t.deleting for t in old if t.deleting), default=None),
         "stop": max((t.gone for t in old if t.gone), default=None),
         "relaunch": min((t.created for t in new if t.created), default=None),
         "schedule": max((t.scheduled for t in new if t.scheduled), default=None) if all(t.scheduled for t in new) else None,
         "container": rank0.started,
     }
-    marks.update(log_times(log, rank0.created or 0.0))
+    found.update(log_times(log, rank0.created or 0.0))
+    return found
+
+
+def breakdown(pods: dict[str, PodTimes], attempt: str, log: Path) -> dict[str, float | None]:
+    """Seconds per segment of the gap before gang `attempt`, and `total`; {} as marks()."""
+    at = marks(pods, attempt, log)
+    if not at:
+        return {}
     out: dict[str, float | None] = {}
-    prev = marks["begin"]
+    prev = at["begin"]
     for seg in SEGMENTS:
-        at = marks.get(seg)
-        out[seg] = round(at - prev, 1) if at is not None and prev is not None else None
-        prev = at if at is not None else prev
-    first = marks.get("first step")
-    out["total"] = round(first - marks["begin"], 1) if first and marks["begin"] else None
+        end = at.get(seg)
+        out[seg] = round(end - prev, 1) if end is not None and prev is not None else None
+        prev = end if end is not None else prev
+    first = at.get("first step")
+    out["total"] = round(first - at["begin"], 1) if first and at["begin"] else None
     return out
 
 

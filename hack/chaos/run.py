@@ -68,8 +68,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     e = p.add_argument_group("the elastic job (nodes 2, minNodes 1) and its node-lost-long fault")
     e.add_argument("--elastic", choices=("on", "off", "only"), default="on",
                    help="run it after the faulty run (on), not at all (off), or alone (only)")
-    e.add_argument("--node-away", type=float, default=150.0, help="seconds the lost node stays away (default 150)")
-    e.add_argument("--elastic-steps", type=int, default=600, help="its training steps (default 600)")
+    e.add_argument("--node-away", type=float, default=120.0, help="seconds the lost node stays away (default 120)")
+    e.add_argument("--elastic-steps", type=int, default=1000, help="its training steps (default 1000)")
     e.add_argument("--elastic-interval", type=int, default=10, help="its checkpoint.interval (default 10)")
     e.add_argument("--elastic-cooldown", type=int, default=20, help="its resources.resizeCooldownSeconds (default 20)")
     args = p.parse_args(argv)
