@@ -81,10 +81,9 @@ def test_elastic_job_shrinks_on_a_lost_node_and_grows_back(cluster, operator, ex
     print(f"elastic timeline: running at 1 pod {shrink_s:.0f}s after the lost node was noticed (step "
           f"{step_at_1}); at 2 pods again {grow_s:.0f}s after the node returned (cooldown 20 s); restarts "
           f"{st['restarts']}, resizes {st['resizes']['count']}")
-    # The acceptance asks for 60 s; on this 2-core machine the survivor's stop, the new pod's start
-    # and the operator's passes measured 53 s and 61 s (issue 25's note). 90 s guards a regression
-    # without failing CI on a loaded machine; the printed timeline is the measurement.
-    assert shrink_s < 90, f"{shrink_s:.0f}s from noticing the lost node to running at 1 pod"
+    # The acceptance: within 60 s. It measured 48-61 s while the lost node's pod was waited for
+    # (its grace period and 30 s more, stale.py); force-deleted at once, make chaos measured 8 s.
+    assert shrink_s < 60, f"{shrink_s:.0f}s from noticing the lost node to running at 1 pod"
     # Every sample once per epoch, across both resizes.
     steps = _steps_logged(cluster, st["output"]["checkpointsUri"])
     assert sorted(steps) == list(range(1, STEPS + 1)), sorted(set(range(1, STEPS + 1)) - set(steps))
