@@ -54,8 +54,11 @@ def test_dead_machine_restarts_the_gang_as_a_preemption(cluster, operator, examp
     Lease: silent for the Lease's duration, the node is lost, and the survivor's failure is
     the preemption's echo. Counted as a failure, it spent backoffLimit on a lost machine."""
     ns, name = example_ns, "nodeloss"
+    # The new gang must fit on the node that is left (2 CPUs): 2 x 900m leaves room for what
+    # else runs there, such as the operator `make demo` leaves on the cluster (50m). With the
+    # example's 2 x 1 CPU, `make demo` then `make test` failed here: one pod stayed Pending.
     apply(cluster, ns, example(name, **{"training.totalTrainingSteps": 400, "checkpoint.interval": 5,
-                                        "runPolicy.backoffLimit": 0}))
+                                        "runPolicy.backoffLimit": 0, "resources.cpu": "900m"}))
 
     def stepping(job):
         return job if ((job.get("status") or {}).get("progress") or {}).get("step", 0) >= 2 else None
