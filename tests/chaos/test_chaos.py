@@ -179,6 +179,7 @@ def test_short_chaos_run(cluster, tmp_path):
     ns, system_ns = tag, f"{tag}-sys"
     cmd = [sys.executable, "-m", "hack.chaos", "--seed", "5", "--faults", "4", "--min-kinds", "3",
            "--kinds", "pod-delete,trainer-sigkill,operator-kill",
+           "--elastic", "off",   # its node loss would disturb the shared cluster; `make chaos` runs it
            "--namespace", ns, "--system-namespace", system_ns, "--release", tag, "--workdir", str(tmp_path)]
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
