@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import time
 from typing import Any
 
@@ -40,7 +39,7 @@ from .faults import wait_for
 from .gap import PodClock, breakdown, describe, marks
 from .harness import JOBS, Ctx, manifest, say, spec_hash, wait_finished
 from .monitor import split_uri
-from .weights import compare_dirs, download
+from .report import report_weights
 
 def elastic_manifest(args: argparse.Namespace, name: str, elastic: bool) -> dict[str, Any]:
     obj = manifest(args, name)
@@ -131,19 +130,6 @@ def compare_runs(run: dict[int, dict], ref: dict[int, dict], steps: int) -> tupl
                         f"{ref[s]['loss']!r} (grad norm {run[s].get('grad_norm')!r} vs {ref[s].get('grad_norm')!r})")
     return {"steps_compared": len(common), "steps_with_other_samples": len(differ), "samples_per_epoch":
             per_epoch * batch, "steps_with_other_losses": len(losses), "max_loss_diff": loss_diff}, problems
-
-
-def compare_weights(ctx: Ctx, ref_st: dict, run_st: dict) -> tuple[dict, list[str]]:
-    """Both exports downloaded and compared tensor by tensor, byte for byte."""
-    work = ctx.args.workdir / "elastic"
-    shutil.rmtree(work, ignore_errors=True)
-    download(ctx.s3, ref_st["output"]["uri"], work / "reference")
-    download(ctx.s3, run_st["output"]["uri"], work / "elastic")
-    cmp = compare_dirs(work / "reference", work / "elastic")
-    for line in cmp.lines():
-        say("  " + line)
-    summary = {"tensors": cmp.tensors, "identical": cmp.identical, "differing": cmp.differing, "files": cmp.files}
-    return summary, [] if cmp.ok else ["the elastic job's final weights are not bitwise identical to the reference's"]
 
 
 def run_elastic(ctx: Ctx) -> dict[str, Any]:
@@ -243,8 +229,10 @@ def run_elastic(ctx: Ctx) -> dict[str, Any]:
         problems += found
         say(f"elastic vs reference: {data['steps_compared']} steps, {data['steps_with_other_samples']} on other "
             f"samples, {data['steps_with_other_losses']} with another loss; final weights:")
-        weights, found = compare_weights(ctx, ref_st, st)
-        problems += found
-        out.update(data=data, weights=weights)
+        cmp = report_weights(ctx, a.workdir / "elastic", {"status": ref_st}, st)
+        if cmp is None or not cmp.ok:
+            problems.append("the elastic job's final weights are not bitwise identical to the reference's")
+        out.update(data=data, weights=cmp and {"tensors": cmp.tensors, "identical": cmp.identical,
+                                               "differing": cmp.differing, "files": cmp.files})
     out["problems"] = problems
     return out
