@@ -11,10 +11,15 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 help: ## List the make targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  \033[1m%-18s\033[0m %s\n", $$1, $$2}'
 
+# pip is quiet and a cold install is GBs of wheels (torch): a line every 30 s says how far it is
+# and where the background build of the cluster stands (issue 29: never silent for a minute).
+BEAT = $(PYTHON) -m hack.localcluster beat --venv $(VENV) --what
+
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q -e '.[trainer,operator,dev]'
+	$(BEAT) "installing .venv: pip, setuptools, wheel" -- $(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(BEAT) "installing .venv: the trainer, operator and dev extras (torch: GBs when cold)" -- \
+		$(PY) -m pip install -q -e '.[trainer,operator,dev]'
 	@touch $@
 
 install: $(VENV)/.installed ## Create/update .venv with the trainer, operator and dev dependencies

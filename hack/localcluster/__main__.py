@@ -1,9 +1,9 @@
-"""python -m hack.localcluster {up [--kueue],prepare [--background LOG] [--no-heartbeat] [COMPONENT ...],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
+"""python -m hack.localcluster {up [--kueue],beat --what TEXT [--venv DIR] -- COMMAND...,prepare [--background LOG] [--no-heartbeat] [COMPONENT ...],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
 import argparse
 import sys
 from pathlib import Path
 
-from . import cluster, kueue, kwok, nodes
+from . import cluster, heartbeat, kueue, kwok, nodes
 
 
 def main() -> int:
@@ -18,6 +18,11 @@ def main() -> int:
     p.add_argument("--background", metavar="LOG", help="return at once; the output goes to LOG")
     p.add_argument("--no-heartbeat", action="store_true",
                    help="no progress line every 30 s (the background prepare: its output is the log)")
+    p = sub.add_parser("beat", help="run a command, saying every 30 s what it is and how long it has run "
+                                    "(make install's pip)")
+    p.add_argument("--what", required=True, help="what the command does, as the line names it")
+    p.add_argument("--venv", type=Path, help="count the packages this virtual environment holds")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command")
     sub.add_parser("down", help="stop every process of the cluster and remove its state")
     sub.add_parser("status", help="health of each component; exit 1 unless all are healthy")
     sub.add_parser("env", help="print the shell exports of .cluster/env")
@@ -47,6 +52,9 @@ def main() -> int:
             print(f"building the cluster's binaries and images in the background (pid {pid}, log {a.background})")
         else:
             cluster.prepare(components=a.components, beat=not a.no_heartbeat)
+    elif a.cmd == "beat":
+        argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
+        return heartbeat.run_beating(argv, a.what, a.venv)
     elif a.cmd == "down":
         cluster.down()
     elif a.cmd == "status":

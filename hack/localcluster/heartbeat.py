@@ -212,3 +212,32 @@ def beating(text: Callable[[], str], say: Callable[[str], None] | None = None,
     finally:
         stop.set()
         thread.join(timeout=5)
+
+
+def installed_packages(venv: Path) -> int:
+    """How many distributions `venv` holds (its *.dist-info directories): what a pip install
+    has put there so far."""
+    return sum(len(list(sp.glob("*.dist-info"))) for sp in venv.glob("lib/python*/site-packages"))
+
+
+def run_beating(argv: Sequence[str], what: str, venv: Path | None = None,
+                say: Callable[[str], None] | None = None) -> int:
+    """Run argv in the foreground (its output passes through) and, every 30 s while it runs, say
+    what it is, how long so far, how many packages `venv` holds, and where the background
+    prepare stands when one runs: `make install`'s quiet pip is minutes of silence otherwise
+    (a cold torch is GBs of wheels). Returns argv's exit status."""
+    import subprocess
+    t0 = time.time()
+
+    def text() -> str:
+        parts = [f"{duration(time.time() - t0)} so far"]
+        if venv is not None:
+            parts.append(f"{installed_packages(venv)} packages in {venv} so far")
+        msg = f"{what} ({'; '.join(parts)})"
+        bg = background()
+        if bg:
+            msg += "; meanwhile " + line(probe(bg.get("components", []), (), t0))
+        return msg
+
+    with beating(text, say):
+        return subprocess.run(list(argv)).returncode

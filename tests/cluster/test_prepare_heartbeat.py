@@ -184,3 +184,47 @@ def test_inside_a_pytest_fixture_the_line_reaches_the_console(tmp_path):
                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 0, run.stdout + run.stderr
     assert "] preparing the cluster: building Go binaries k8s (1m00s so far)" in run.stderr, run.stdout + run.stderr
+
+
+def test_a_quiet_install_beats_with_the_packages_it_has_put_there_so_far(cache, tmp_path):
+    """`make install`'s pip is quiet, and cold it downloads GBs of torch for minutes (the cold
+    `make demo` of this issue showed nothing for that long): `beat` runs it and says every
+    interval what it is, how long so far and how many packages the venv holds, and returns
+    its exit status. A real child stands in for pip: it adds dist-info directories as it runs."""
+    venv = tmp_path / "venv"
+    sp = venv / "lib" / "python3.11" / "site-packages"
+    sp.mkdir(parents=True)
+    script = textwrap.dedent(f"""
+        import pathlib, sys, time
+        sp = pathlib.Path({str(sp)!r})
+        for name in ("torch-2.13.0", "numpy-2.3.0", "pyarrow-21.0.0"):
+            (sp / f"{{name}}.dist-info").mkdir()
+            time.sleep(0.5)
+        sys.exit(3)
+    """)
+    lines: list[str] = []
+    t0 = time.time()
+    # the interval comes from SFTJOB_HEARTBEAT_SECONDS in a real run; here from `every`
+    real = heartbeat.beating
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(heartbeat, "beating", lambda text, say=None: real(text, say, every=0.2))
+        rc = heartbeat.run_beating([sys.executable, "-c", script], "installing .venv", venv, say=lines.append)
+    assert rc == 3, "the command's exit status passes through (make must stop on a failed pip)"
+    assert time.time() - t0 >= 1.5
+    assert len(lines) >= 4, lines
+    assert all(ln.startswith("installing .venv (") and f"packages in {venv} so far)" in ln for ln in lines), lines
+    counts = [int(ln.split("; ")[1].split()[0]) for ln in lines]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 3, counts
+    assert not any("meanwhile" in ln for ln in lines), "no background prepare runs in this scratch cache"
+
+
+def test_make_install_runs_every_pip_under_the_heartbeat():
+    """Each pip command of the install recipe goes through `beat`: one left bare is minutes of
+    silence on a cold machine."""
+    make = subprocess.run(["make", "-n", "-B", "-C", str(REPO), ".venv/.installed", "PYTHON=python3"],
+                          capture_output=True, text=True, timeout=60)
+    assert make.returncode == 0, make.stderr
+    recipe = make.stdout.replace("\\\n", " ")  # a continued line is one command
+    pips = [ln for ln in recipe.splitlines() if "pip install" in ln]
+    assert len(pips) == 2, make.stdout
+    assert all(ln.startswith("python3 -m hack.localcluster beat --venv .venv --what ") for ln in pips), pips
