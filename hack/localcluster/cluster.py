@@ -40,7 +40,8 @@ def ensure_binaries(components: Sequence[str] = BINARIES) -> None:
 
 
 def prepare(cfg: C.ClusterConfig | None = None, components: Sequence[str] = BINARIES,
-            say: Callable[[str], None] | None = None, beat: bool = True) -> None:
+            say: Callable[[str], None] | None = None, beat: bool = True,
+            images_ready: Callable[[], None] | None = None) -> None:
     """What a first `up` waits for on a new machine, side by side: the nodes' Debian packages
     first (the image builds need buildah), then the Go builds (they keep both cores busy) beside
     the image builds (mostly downloading wheels and writing layers). Seconds when all is there.
@@ -48,7 +49,9 @@ def prepare(cfg: C.ClusterConfig | None = None, components: Sequence[str] = BINA
     Both builds lock their caches, so a second `prepare` (a test session's `up` while
     `make test` prepares in the background) waits for the first and then finds all built.
     Meanwhile a heartbeat line (heartbeat.py) goes to `say` (default: stderr) every 30 s;
-    beat=False for the background prepare, whose output is the log the line points at."""
+    beat=False for the background prepare, whose output is the log the line points at.
+    `images_ready` runs on the images' side as soon as they are built, while the Go builds may
+    still run (`up` starts the nodes' containerds and imports the images there)."""
     cfg = cfg or C.load()
     phase = ["installing the nodes' Debian packages (hack/host-packages.sh)"]
     t0 = time.time()
@@ -59,8 +62,13 @@ def prepare(cfg: C.ClusterConfig | None = None, components: Sequence[str] = BINA
     with heartbeat.beating(text, say) if beat else contextlib.nullcontext():
         host_packages()
         phase[0] = None
+        def build_images() -> None:
+            images.build(cfg.node_images)
+            if images_ready:
+                images_ready()
+
         with ThreadPoolExecutor(1, thread_name_prefix="images") as pool:
-            built = pool.submit(images.build, cfg.node_images)
+            built = pool.submit(build_images)
             ensure_binaries(components)  # a failed Go build raises once the images are done
         built.result()
 
@@ -122,9 +130,49 @@ def up(cfg: C.ClusterConfig | None = None, timeout: float = 180,
     While it waits for the builds and the images' imports, a heartbeat line goes to `say`
     (default: stderr) every 30 s."""
     cfg = cfg or C.load()
-    prepare(cfg, say=say)
+    # The nodes' containerds take the images as soon as these are built, beside the Go builds:
+    # a cold trainer image's import (3 minutes into both nodes here) leaves the critical path.
+    prepare(cfg, say=say, images_ready=lambda: _nodes_early(cfg, timeout, say))
     with proc.locked(cfg):
         return _up(cfg, timeout, say)
+
+
+def _nodes_early(cfg: C.ClusterConfig, timeout: float, say: Callable[[str], None] | None) -> None:
+    """Start the nodes' containerds (Debian's: no Go build needed) and import the images into
+    the nodes whose kubelet is not running yet, before the control plane can start. `_up` then
+    finds the containerds running and the images present. A cluster already up is left to
+    `_up`, which re-imports what changed."""
+    with proc.locked(cfg):
+        st = status(cfg)
+        if all(st.values()):
+            return
+        sec = _host_state(cfg)
+        nodes = [R.node_index(n) for n in components(cfg) if n.startswith("kubelet-") and not st.get(n)]
+        for i in nodes:
+            name = f"containerd-{i}"
+            if not st.get(name) and not proc.alive(proc.read_pid(cfg, name), proc.marker(cfg, name)):
+                argv, e = command(cfg, name, sec)
+                start(cfg, name, argv, e)
+        for i in nodes:
+            wait(cfg, f"containerd-{i}", timeout)
+        _load_images(cfg, nodes, clean=True, say=say)
+
+
+def _host_state(cfg: C.ClusterConfig) -> dict:
+    """What every component needs before it starts: a clean slate when nothing of the cluster
+    runs (first start, or a machine that lost its processes: no stale pods or half-written
+    state are resurrected), the directories, the bridge, certificates and client files.
+    Returns the cluster's secrets."""
+    if not any(proc.alive(proc.read_pid(cfg, n), proc.marker(cfg, n)) for n in components(cfg)):
+        _clean(cfg)
+    for sub in ("logs", "pids"):
+        (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
+    R.ensure_bridge(cfg)
+    R.ensure_host_network(cfg)
+    credentials.ensure_pki(cfg)
+    sec = credentials.ensure_secrets(cfg)
+    credentials.write_client_files(cfg, sec)
+    return sec
 
 
 def _up(cfg: C.ClusterConfig, timeout: float, say: Callable[[str], None] | None = None) -> C.ClusterConfig:
@@ -139,17 +187,7 @@ def _up(cfg: C.ClusterConfig, timeout: float, say: Callable[[str], None] | None 
             log(f"WARNING: {', '.join(stale)} run(s) with an older configuration or code than this checkout; "
                 "`make cluster-down cluster-up` applies it")
         return cfg
-    if not any(proc.alive(proc.read_pid(cfg, n), proc.marker(cfg, n)) for n in components(cfg)):
-        # Nothing of it runs (first start, or a machine that lost its processes): start clean
-        # instead of resurrecting stale pods and half-written state.
-        _clean(cfg)
-    for sub in ("logs", "pids"):
-        (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
-    R.ensure_bridge(cfg)
-    R.ensure_host_network(cfg)
-    credentials.ensure_pki(cfg)
-    sec = credentials.ensure_secrets(cfg)
-    credentials.write_client_files(cfg, sec)
+    sec = _host_state(cfg)
     loaded = False
     for name in components(cfg):
         if st.get(name):

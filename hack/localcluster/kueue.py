@@ -24,8 +24,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-import yaml
-
 from . import cluster, proc
 from . import config as C
 from .components import kube_bin, start
@@ -38,6 +36,14 @@ HEALTH_PORT = int(os.environ.get("SFTJOB_KUEUE_HEALTH_PORT", "18081"))
 METRICS_PORT = int(os.environ.get("SFTJOB_KUEUE_METRICS_PORT", "18443"))
 MUTATING = "sftjob-local-kueue-mutating"
 VALIDATING = "sftjob-local-kueue-validating"
+
+
+# _yaml_note: PyYAML is imported where it is used. `python3 -m hack.localcluster` (make's
+# cluster-down, and the heartbeat around `make install`'s pip) runs before .venv holds it, and
+# the package imports this module.
+def _dump(obj: dict) -> str:
+    import yaml
+    return yaml.safe_dump(obj)
 
 
 def _home() -> Path:
@@ -86,6 +92,7 @@ def _config(cfg: C.ClusterConfig) -> Path:
         "integrations": {"frameworks": ["pod"]},
     }
     path = d / "config.yaml"
+    import yaml  # here, not at the top: see _yaml_note
     path.write_text(yaml.safe_dump(conf, sort_keys=False))
     return path
 
@@ -95,6 +102,7 @@ def _webhooks(cfg: C.ClusterConfig) -> list[dict]:
     import base64
     ca = base64.b64encode((cfg.pki / "ca.crt").read_bytes()).decode()
     out = []
+    import yaml  # see _yaml_note
     for doc in yaml.safe_load_all((_home() / "config" / "webhook.yaml").read_text()):
         if not doc:
             continue
@@ -122,7 +130,7 @@ def _healthy() -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{HEALTH_PORT}/readyz", timeout=3) as r:
             return r.status == 200
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to answer is 'not ready'
         return False
 
 
@@ -173,7 +181,7 @@ def kueue_up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.Clus
                 time.sleep(0.5)
             hooks = _webhooks(cfg)
             _kubectl(cfg, "apply", "--server-side", "--force-conflicts", "-f", "-",
-                     input="\n---\n".join(yaml.safe_dump(h) for h in hooks))
+                     input="\n---\n".join(_dump(h) for h in hooks))
             log(f"kueue ready in {time.time() - t0:.1f}s (webhook https://{cfg.host_ip}:{WEBHOOK_PORT})")
     # The webhook configuration is read by the API server asynchronously: wait until a
     # Kueue object is actually defaulted through it (a ResourceFlavor dry-run).

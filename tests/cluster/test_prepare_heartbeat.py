@@ -228,3 +228,17 @@ def test_make_install_runs_every_pip_under_the_heartbeat():
     pips = [ln for ln in recipe.splitlines() if "pip install" in ln]
     assert len(pips) == 2, make.stdout
     assert all(ln.startswith("python3 -m hack.localcluster beat --venv .venv --what ") for ln in pips), pips
+
+
+def test_the_heartbeat_runs_on_an_interpreter_without_the_project_dependencies(tmp_path):
+    """`make install` runs `beat` with the new, empty .venv's python (make puts .venv/bin first
+    on PATH) and `make cluster-down` runs before any venv exists: hack.localcluster must import
+    with the standard library alone. A fresh clone's `make demo` failed this way once (PyYAML
+    imported at the top of kueue.py)."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    run = subprocess.run([str(venv / "bin" / "python"), "-m", "hack.localcluster", "beat", "--venv", str(venv),
+                          "--what", "nothing", "--", sys.executable, "-c", "print('ran')"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "ran"

@@ -85,6 +85,42 @@ def test_prepare_builds_the_images_while_the_binaries_build(monkeypatch, tmp_pat
     assert sorted(calls) == [("binaries", ("k8s", "kueue")), ("images", tuple(cfg.node_images))]
 
 
+def test_up_imports_the_images_into_the_nodes_while_the_binaries_still_build(monkeypatch, tmp_path):
+    """The cold `make demo` of issue 29 built the trainer image 2 minutes before the Go builds
+    ended, then imported it (3 minutes) only after them. `up` hands `prepare` a hook that the
+    images' side runs as soon as they are built: it starts the nodes' containerds and imports,
+    here while the binaries are still building (they wait for the import to begin)."""
+    import threading
+
+    from hack.localcluster import cluster
+
+    importing, binaries_done = threading.Event(), threading.Event()
+    order = []
+
+    def fake_binaries(components):
+        assert importing.wait(10), "the import waited for the Go builds"
+        order.append("binaries built")
+        binaries_done.set()
+
+    def fake_nodes_early(cfg, timeout, say):
+        order.append("nodes importing")
+        importing.set()
+
+    def fake_up(cfg, timeout, say):
+        assert binaries_done.is_set()
+        order.append("control plane")
+        return cfg
+
+    monkeypatch.setattr(cluster, "ensure_binaries", fake_binaries)
+    monkeypatch.setattr(cluster.images, "build", lambda names: {})
+    monkeypatch.setattr(cluster, "host_packages", lambda: None)
+    monkeypatch.setattr(cluster, "_nodes_early", fake_nodes_early)
+    monkeypatch.setattr(cluster, "_up", fake_up)
+    cfg = C.load({"SFTJOB_CLUSTER_DIR": str(tmp_path / "state")})
+    cluster.up(cfg)
+    assert order == ["nodes importing", "binaries built", "control plane"]
+
+
 def test_every_containerd_starts_before_the_first_kubelet():
     """`up` imports the images into all nodes at once, when the first kubelet is due: every
     node's containerd must be running by then."""
