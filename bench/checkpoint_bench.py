@@ -59,7 +59,8 @@ def report(name: str, log: str) -> None:
     written = {int(s): float(t) for s, t in WRITTEN.findall(log)}
     committed = {int(s): float(t) for s, t in COMMITTED.findall(log)}
     for step, blocked in sorted(written.items()):
-        total = f"{blocked + committed[step]:.2f}s (+{committed[step]:.2f}s in the background)" if step in committed else "-"
+        total = (f"{blocked + committed[step]:.2f}s (+{committed[step]:.2f}s in the background)"
+                 if step in committed else "-")
         print(f"  {name} step-{step}: blocking {blocked:.2f}s, total {total}")
 
 
@@ -85,7 +86,8 @@ def main() -> int:
         base = [f"model.path={tmp / 'model'}", f"data.train_files={assets / 'data' / 'train.parquet'}",
                 "data.max_length=32", "data.train_batch_size=2", "data.micro_batch_size_per_gpu=2",
                 "optim.lr=1e-5", "trainer.save_freq=1", "trainer.keep_checkpoints=1"]
-        outs = [("local", str(tmp / "out"))] + ([("s3", a.s3.rstrip("/") + f"/ckpt-bench-{int(time.time())}")] if a.s3 else [])
+        outs = [("local", str(tmp / "out"))]
+        outs += [("s3", a.s3.rstrip("/") + f"/ckpt-bench-{int(time.time())}")] if a.s3 else []
         for name, out in outs:
             log, _ = run(base + [f"trainer.output_dir={out}", f"trainer.total_training_steps={a.steps}"])
             keep_log(a.logs, f"{name}-saves.log", log)

@@ -155,9 +155,11 @@ def check_attention(args, torch) -> str:
             torch.manual_seed(0)
             cfg = ModelConfig(path=path).model_copy(update={"attn_implementation": attn})
             model = build_model(cfg, LoraConfig(), path, World(0, 0, 1, device), precision="bf16")
-            expect(model.config._attn_implementation == attn, f"asked for {attn}, got {model.config._attn_implementation}")
+            expect(model.config._attn_implementation == attn,
+                   f"asked for {attn}, got {model.config._attn_implementation}")
             seen = []
-            decoder_layers(model)[0].self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+            q_proj = decoder_layers(model)[0].self_attn.q_proj
+            q_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))  # noqa: B023 - this iteration's forward
             ce = ce_sum(model, mb, device, "bf16")
             ce.backward()
             expect(seen == [torch.bfloat16], f"{attn}: the forward saw {seen} weights, not bf16 (mixed precision)")

@@ -166,7 +166,8 @@ def run_ours(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: 
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
     shutil.rmtree(out / "hf", ignore_errors=True)
     result = {"contender": "ours, 2 ranks (FSDP2)", "checkpointing": ckpt, "micro": micro, **fields,
-              # the trainer's own: the largest rank's high-water mark by the last step (before the final save and export)
+              # the trainer's own: the largest rank's high-water mark by the last step (before the
+              # final save and export)
               "training_peak_mib": max((r["max_rss_mb"] for r in done), default=None)}
     if killed:
         when = f"in step {len(done) + 1}" if len(done) < steps else "after the last step (final save or export)"
@@ -227,8 +228,8 @@ def main() -> int:
         tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else "-"
         loss = f"{r['final_loss']:.4f}" if "final_loss" in r else "-"
         train = f"{r['training_peak_mib']:.0f}" if r.get("training_peak_mib") else "-"
-        print(f"| {r['contender']} | {'on' if r['checkpointing'] else 'off'} | {r['outcome']} | {r['peak_sum_mib']:.0f} "
-              f"| {r['largest_process_mib']:.0f} | {train} | {tps} | {loss} |")
+        print(f"| {r['contender']} | {'on' if r['checkpointing'] else 'off'} | {r['outcome']} "
+              f"| {r['peak_sum_mib']:.0f} | {r['largest_process_mib']:.0f} | {train} | {tps} | {loss} |")
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

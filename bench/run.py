@@ -208,8 +208,8 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
         by.setdefault((r["contender"], r["precision"]), []).append(r)
     med = lambda key, rs: statistics.median(r[key] for r in rs)  # noqa: E731
     lines = [
-        f"peak (matmul_peak.py): fp32 {peak['peak_gflops_fp32']:.0f} GFLOP/s, bf16 {peak['peak_gflops_bf16']:.0f} GFLOP/s, "
-        f"{peak['threads']} threads",
+        f"peak (matmul_peak.py): fp32 {peak['peak_gflops_fp32']:.0f} GFLOP/s, "
+        f"bf16 {peak['peak_gflops_bf16']:.0f} GFLOP/s, {peak['threads']} threads",
         "",
         "| contender | precision | runs | tokens/s (median) | min..max | MFU vs own-dtype peak | MFU vs machine peak "
         "| trainer-reported MFU | peak RSS MiB | final loss | ours ÷ this |",
@@ -229,7 +229,8 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
             ratio = f"{med('tokens_per_s', ours) / statistics.median(tps):.2f}×" if ours and name != "ours" else ""
             lines.append(
                 f"| {name} | {precision} | {len(rs)} | {statistics.median(tps):.0f} | {min(tps):.0f}..{max(tps):.0f} "
-                f"| {own:.1%} | {best:.1%} | {reported} | {med('max_rss_mib', rs):.0f} | {med('final_loss', rs):.4f} | {ratio} |"
+                f"| {own:.1%} | {best:.1%} | {reported} | {med('max_rss_mib', rs):.0f} "
+                f"| {med('final_loss', rs):.4f} | {ratio} |"
             )
         if not ours:
             continue
@@ -299,8 +300,9 @@ def main() -> None:
                 t0 = time.time()
                 r = run_one(name, precision, rep, inp, args, out_dir)
                 results.append(r)
-                print(f"[{time.strftime('%H:%M:%S')}] rep {rep} {name:14s} {precision}: {r['tokens_per_s']:7.0f} tokens/s "
-                      f"loss {r['final_loss']:.4f} rss {r['max_rss_mib']:.0f} MiB ({time.time() - t0:.0f}s)", flush=True)
+                print(f"[{time.strftime('%H:%M:%S')}] rep {rep} {name:14s} {precision}: "
+                      f"{r['tokens_per_s']:7.0f} tokens/s loss {r['final_loss']:.4f} "
+                      f"rss {r['max_rss_mib']:.0f} MiB ({time.time() - t0:.0f}s)", flush=True)
     text, checks = table(results, inp["peak"])
     report = text + "\n\n" + "\n".join(checks) + "\n"
     (out_dir / "results.md").write_text(report)

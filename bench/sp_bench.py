@@ -94,7 +94,8 @@ def run_point(work: Path, model: Path, sp: int, length: int, steps: int, max_s: 
         kill_tree(proc.pid)  # torchrun's ranks run in sessions of their own: a timeout must not leave them on
         proc.communicate()
         return {"sp": sp, "length": length, "ok": False, "why": f"over {max_s:.0f}s"}
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if (out / "metrics.jsonl").exists() else []
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     rows = [r for r in rows if "loss" in r]
     if proc.returncode != 0 or not rows:
         tail = output.strip().splitlines()[-1:] or [""]

@@ -37,7 +37,7 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.5):
             v = pred()
             if v:
                 return v
-        except Exception as e:  # transient API errors
+        except Exception as e:  # noqa: BLE001 - transient API errors: poll again
             last = e
         time.sleep(interval)
     raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}" + (f" ({last})" if last else ""))

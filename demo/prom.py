@@ -38,7 +38,8 @@ def ensure_installed(say=print) -> str:
                  ["apt-get", "install", "-y", "-q", "--no-install-recommends", "prometheus"]):
         res = subprocess.run(sudo + argv, env=env, capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+            raise RuntimeError(f"{' '.join(argv)} failed ({res.returncode}):\n"
+                               f"{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
     found = binary()
     if not found:
         raise RuntimeError("apt-get installed prometheus but no prometheus binary was found")
@@ -206,7 +207,7 @@ def check_dashboard(prom: Prometheus, path: Path, start: float, end: float,
         q = grafana_expand(expr, variables)
         try:
             n = len(prom.query_range(q, start, end, step=2))
-        except Exception:  # a query Prometheus refuses counts as no data
+        except Exception:  # noqa: BLE001 - a query Prometheus refuses counts as no data
             n = -1
         out.append((title, q, n))
     return out

@@ -50,7 +50,7 @@ class TargetWriter(threading.Thread):
         while not self.stopped.is_set():
             try:
                 self.update()
-            except Exception:  # keep going through API hiccups
+            except Exception:  # noqa: BLE001 - keep going through API hiccups
                 pass
             self.stopped.wait(1.0)
 

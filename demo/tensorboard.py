@@ -26,9 +26,10 @@ def stage_tensorboard(ctx: Ctx, job: dict) -> None:
     val = [e.step for e in acc.Scalars("val/loss")] if "val/loss" in tags else []
     if not loss:
         raise SystemExit(f"TensorBoard: no train/loss in the event files under {uri} ({', '.join(files)})")
+    others = ", ".join(t for t in sorted(tags) if t not in ("train/loss", "val/loss"))
     out.say(f"TensorBoard: {len(files)} event file(s) from {uri} (one per attempt); train/loss at steps "
             f"{loss[0]}..{loss[-1]}, {len(loss)} points, {len(loss) - len(set(loss))} twice; val/loss at steps "
-            f"{', '.join(map(str, val)) or 'none'}; also {', '.join(t for t in sorted(tags) if t not in ('train/loss', 'val/loss'))}")
+            f"{', '.join(map(str, val)) or 'none'}; also {others}")
     out.say(f"open it:    tensorboard --logdir {shown(dest.parent)}")
     ctx.summary["tensorboard"] = {"uri": uri, "dir": str(dest.parent), "files": files, "train_loss_steps": loss,
                                   "val_loss_steps": val, "tags": sorted(tags)}

@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("extra, page", [([], "docs/reference/sftjob.md"), (["--trainer"], "docs/reference/trainer-config.md")],
+@pytest.mark.parametrize("extra, page",
+                         [([], "docs/reference/sftjob.md"), (["--trainer"], "docs/reference/trainer-config.md")],
                          ids=["sftjob", "trainer"])
 def test_generated_reference_is_current(extra, page):
     proc = subprocess.run([sys.executable, "-m", "sftjob_operator.reference", *extra, "--check", page], cwd=ROOT,

@@ -156,7 +156,7 @@ class BlackHole:
     def _ip(*a: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", *a], capture_output=True, text=True, check=check)
 
-    def __enter__(self) -> "BlackHole":
+    def __enter__(self) -> BlackHole:
         self.__exit__()  # leftovers of an interrupted run
         host, peer = HOLE_NET
         self._ip("netns", "add", HOLE_NETNS)

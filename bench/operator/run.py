@@ -77,7 +77,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _terminate(signum, frame):  # noqa: ARG001 - clean up (operator, namespace, nodes) on SIGTERM too
+def _terminate(signum, frame):  # clean up (operator, namespace, nodes) on SIGTERM too
     raise SystemExit(128 + signum)
 
 
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     op = Operator(env, ns, args.out.parent / "operator.log")
     hole = BlackHole()
-    results: dict[str, Any] = {"blackhole": not args.no_blackhole, "jobs": args.jobs, "pods_per_job": 2, "kwok_nodes": len(nodes), "namespace": ns}
+    results: dict[str, Any] = {"blackhole": not args.no_blackhole, "jobs": args.jobs, "pods_per_job": 2,
+                               "kwok_nodes": len(nodes), "namespace": ns}
     rows: list[tuple[str, str, str, str]] = []
     ok = True
     try:
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_pct = 100 * (cb - ca) / dt
         scrape_keys = sorted({k.partition("{")[0] for k in mb if "scrape" in k and not k.startswith("python_")})
         scrape_rates = {k: (msum(mb, k) - msum(ma, k)) / dt for k in scrape_keys
-                        if k.endswith("_total") or k.endswith("_count")}
+                        if k.endswith(("_total", "_count"))}
         dur_p50 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.5, ma)
         dur_p99 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.99, ma)
         say(f"steady state over {dt:.0f}s: {rec_rate:.1f} reconciles/s, operator CPU {cpu_pct:.0f}%, "
@@ -222,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         # -- the end -------------------------------------------------------------------------
         m_end = op.samples()
         hwm_mb = op.status_kb("VmHWM") / 1024
-        rec_errors = msum(m_end, "sftjob_operator_reconcile_errors_total") - msum(m0, "sftjob_operator_reconcile_errors_total")
+        rec_errors = (msum(m_end, "sftjob_operator_reconcile_errors_total")
+                      - msum(m0, "sftjob_operator_reconcile_errors_total"))
         with open(op.log_path, "rb") as fh:
             fh.seek(log_offset)
             log_text = fh.read().decode(errors="replace")
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             latency_max_s=max(lat or [float("nan")]), steady_state_s=t_steady, phases=last_ph,
             reconciles_per_s=rec_rate, operator_cpu_pct=cpu_pct, reconcile_duration_p50_s=dur_p50,
             reconcile_duration_p99_s=dur_p99, scrape_syn_sent_mean=statistics.fmean(inflight or [0]),
-            scrape_syn_sent_max=max(inflight or [0]), apply_workers=args.apply_workers, idle_create_s=idle_create, scrape_rates=scrape_rates, probe_latencies_s=probe_lat, idle_probe_latencies_s=idle_lat,
+            scrape_syn_sent_max=max(inflight or [0]), apply_workers=args.apply_workers, idle_create_s=idle_create,
+            scrape_rates=scrape_rates, probe_latencies_s=probe_lat, idle_probe_latencies_s=idle_lat,
             peak_rss_mb=hwm_mb, reconcile_errors=rec_errors, log_error_lines=log_errors[:20],
             watch_errors=watch.errors, operator_cpu_total_s=op.cpu_seconds() - cpu0)
 
@@ -246,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
 
         row("jobs x pods (kwok nodes)", f"{len(applied)} x 2 ({len(nodes)})", f"{args.jobs} x 2",
             len(applied) == args.jobs and not errors)
-        row("apply duration (first -> last create)", f"{t_last - t_first:.1f} s ({len(applied) / max(t_last - t_first, 1e-9):.0f} "
+        row("apply duration (first -> last create)",
+            f"{t_last - t_first:.1f} s ({len(applied) / max(t_last - t_first, 1e-9):.0f} "
             f"jobs/s, {args.apply_workers} client(s))")
         row("all pods created after the last apply", f"{all_after_last:.1f} s ({created}/{want} pods)",
             f"all {want}", created >= want)

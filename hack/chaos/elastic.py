@@ -82,9 +82,11 @@ def _victim_node(ctx: Ctx, name: str) -> tuple[str, str]:
     is `make chaos`'s other faults' business): (node, why)."""
     a = ctx.args
     pods = ctx.kube.get(f"/api/v1/namespaces/{a.namespace}/pods", labelSelector=f"sftjob.io/job-name={name}")["items"]
-    nodes = sorted({p["spec"].get("nodeName") for p in pods if (p.get("status") or {}).get("phase") == "Running"} - {None})
+    nodes = sorted({p["spec"].get("nodeName") for p in pods
+                    if (p.get("status") or {}).get("phase") == "Running"} - {None})
     ops = {p["spec"].get("nodeName") for p in ctx.kube.get(
-        f"/api/v1/namespaces/{a.system_namespace}/pods", labelSelector=f"app.kubernetes.io/instance={a.release}")["items"]}
+        f"/api/v1/namespaces/{a.system_namespace}/pods",
+        labelSelector=f"app.kubernetes.io/instance={a.release}")["items"]}
     free = [n for n in nodes if n not in ops]
     if free:
         return free[-1], "under a training pod, no operator pod on it"
@@ -126,8 +128,9 @@ def compare_runs(run: dict[int, dict], ref: dict[int, dict], steps: int) -> tupl
     loss_diff = max((abs(run[s]["loss"] - ref[s]["loss"]) for s in losses), default=0.0)
     if losses:
         s = losses[0]
-        problems.append(f"{len(losses)} steps' losses differ from the reference's, first step {s}: {run[s]['loss']!r} vs "
-                        f"{ref[s]['loss']!r} (grad norm {run[s].get('grad_norm')!r} vs {ref[s].get('grad_norm')!r})")
+        problems.append(f"{len(losses)} steps' losses differ from the reference's, first step {s}: "
+                        f"{run[s]['loss']!r} vs {ref[s]['loss']!r} "
+                        f"(grad norm {run[s].get('grad_norm')!r} vs {ref[s].get('grad_norm')!r})")
     return {"steps_compared": len(common), "steps_with_other_samples": len(differ), "samples_per_epoch":
             per_epoch * batch, "steps_with_other_losses": len(losses), "max_loss_diff": loss_diff}, problems
 
@@ -179,7 +182,8 @@ def run_elastic(ctx: Ctx) -> dict[str, Any]:
         t_back = time.time()
         say(f"  {node} back after {t_back - t_lost:.0f}s; {out['steps_at_1']} steps trained at 1 pod meanwhile")
         if not problems:
-            st = wait_for(_at(ctx, name, 2), a.effect_timeout + a.elastic_cooldown, "grown back to 2 pods", interval=0.5)
+            st = wait_for(_at(ctx, name, 2), a.effect_timeout + a.elastic_cooldown, "grown back to 2 pods",
+                          interval=0.5)
             out["grow_s"] = round(time.time() - t_back, 1)
             out["grow_reason"] = (st.get("resizes") or {}).get("lastReason")
             say(f"  at 2 pods again {out['grow_s']:.0f}s after the node returned (reason {out['grow_reason']}, "

@@ -23,7 +23,8 @@ from __future__ import annotations
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from hack import localcluster
 from hack.localcluster import components, proc
@@ -187,7 +188,8 @@ class Injector:
             self._force_delete(p)
         f.target = ",".join(p["metadata"]["name"] for p in pods)
         f.detail = f"force-delete (grace 0) all {len(pods)} operator pods"
-        f.extra.update(operators_before=[p["metadata"]["name"] for p in pods], victims=[p["metadata"]["name"] for p in pods])
+        f.extra.update(operators_before=[p["metadata"]["name"] for p in pods],
+                       victims=[p["metadata"]["name"] for p in pods])
 
     def _force_delete(self, pod: dict) -> None:
         try:
@@ -225,8 +227,8 @@ class Injector:
         finally:
             self.kube.merge_patch(path, {"spec": {"replicas": replicas}})
         f.target = pod["metadata"]["name"]
-        f.detail = (f"operator scaled to 0, SIGKILL container {', '.join(killed)}, peers ended, operator scaled back to "
-                    f"{replicas}")
+        f.detail = (f"operator scaled to 0, SIGKILL container {', '.join(killed)}, peers ended, "
+                    f"operator scaled back to {replicas}")
 
     def _minio_outage(self, f: Fault, attempt: int) -> None:
         f.t = time.time()

@@ -70,7 +70,8 @@ class PodClock(threading.Thread):
         self.stopped = threading.Event()
 
     def poll(self) -> None:
-        items = self.kube.get(f"/api/v1/namespaces/{self.ns}/pods", labelSelector=f"sftjob.io/job-name={self.job}")["items"]
+        items = self.kube.get(f"/api/v1/namespaces/{self.ns}/pods",
+                              labelSelector=f"sftjob.io/job-name={self.job}")["items"]
         now, seen = time.time(), set()
         for p in items:
             md, st = p["metadata"], p.get("status") or {}
@@ -79,7 +80,8 @@ class PodClock(threading.Thread):
             t = self.pods.setdefault(uid, PodTimes(md["name"], md.get("labels", {}).get("sftjob.io/attempt", "?"),
                                                    md.get("labels", {}).get("sftjob.io/rank", "?")))
             t.created = t.created or rfc3339(md.get("creationTimestamp"))
-            cond = next((c for c in st.get("conditions") or [] if c["type"] == "PodScheduled" and c["status"] == "True"), None)
+            cond = next((c for c in st.get("conditions") or []
+                         if c["type"] == "PodScheduled" and c["status"] == "True"), None)
             t.scheduled = t.scheduled or (rfc3339(cond.get("lastTransitionTime")) if cond else None)
             for cs in st.get("containerStatuses") or []:
                 if cs["name"] == "trainer":
@@ -139,7 +141,8 @@ def marks(pods: dict[str, PodTimes], attempt: str, log: Path) -> dict[str, float
         "begin": min((t.deleting for t in old if t.deleting), default=None),
         "stop": max((t.gone for t in old if t.gone), default=None),
         "relaunch": min((t.created for t in new if t.created), default=None),
-        "schedule": max((t.scheduled for t in new if t.scheduled), default=None) if all(t.scheduled for t in new) else None,
+        "schedule": (max((t.scheduled for t in new if t.scheduled), default=None)
+                     if all(t.scheduled for t in new) else None),
         "container": rank0.started,
     }
     found.update(log_times(log, rank0.created or 0.0))

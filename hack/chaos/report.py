@@ -111,7 +111,7 @@ def report_faults(args: argparse.Namespace, faults: list[Fault], mon: Monitor, e
     problems: list[str] = []
     attribute(faults, mon, end)
     print()
-    print("Faults (seed %d):" % args.seed)
+    print(f"Faults (seed {args.seed:d}):")
     rows = [[f.index, f.kind, f.at_step if f.at_step is not None else "?", short(f.target), f.expected, f.observed,
              "ok" if f.ok else "MISMATCH"] for f in faults]
     for line in table(rows, ["#", "fault", "step", "target", "expected effect", "observed", ""]):

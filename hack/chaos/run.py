@@ -57,7 +57,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--namespace", default="sftjob-chaos")
     p.add_argument("--system-namespace", default="sftjob-chaos-system")
     p.add_argument("--release", default="sftjob-chaos")
-    p.add_argument("--operator-replicas", type=int, default=0, help="set the chart's replicaCount (default: the chart's)")
+    p.add_argument("--operator-replicas", type=int, default=0,
+                   help="set the chart's replicaCount (default: the chart's)")
     p.add_argument("--progress-timeout", type=float, default=600)
     p.add_argument("--effect-timeout", type=float, default=240)
     p.add_argument("--job-timeout", type=float, default=1800)
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             ref, speed = run_reference(ctx, ref_name, ref_obj)
     say(f"reference: {ref['status']['phase']} in {time.time() - t:.0f}s, restarts {ref['status'].get('restarts')}")
     summary["reference"] = {"phase": ref["status"]["phase"], "seconds": round(time.time() - t),
-                            "restarts": ref["status"].get("restarts"), "uri": (ref["status"].get("output") or {}).get("uri")}
+                            "restarts": ref["status"].get("restarts"),
+                            "uri": (ref["status"].get("output") or {}).get("uri")}
 
     # -- the faulty run -------------------------------------------------------------------
     say(f"faulty job {args.namespace}/{run_name}: same spec; {args.faults} faults from {', '.join(args.kinds)}")
@@ -261,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         faults=[{"index": f.index, "kind": f.kind, "step": f.at_step, "target": f.target, "detail": f.detail,
                  "expected": f.expected, "observed": f.observed, "ok": f.ok,
                  "restart_reasons": f.extra.get("restart_reasons")} for f in faults],
-        kinds=kinds_used, steps=args.steps, steps_per_s=speed, restarts=st.get("restarts"), expected_preemptions=exp_pre,
+        kinds=kinds_used, steps=args.steps, steps_per_s=speed, restarts=st.get("restarts"),
+        expected_preemptions=exp_pre,
         committed=sorted(mon.committed), attempts=[vars(x) for x in mon.attempts], phase=st.get("phase"),
         problems=problems, ok=not problems, seconds=round(time.time() - t0), weights_identical=cmp_ok)
     (args.workdir / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")

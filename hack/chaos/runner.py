@@ -59,7 +59,7 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
                 if st.get("phase") in ("Succeeded", "Failed"):
                     return "finished"
                 newest = mon.newest_committed()
-                if st.get("phase") == "Running" and newest is not None and (last_ckpt is None or newest > last_ckpt):
+                if st.get("phase") == "Running" and newest is not None and (last_ckpt is None or newest > last_ckpt):  # noqa: B023 - polled in this iteration
                     return "ok"
                 return None
 
@@ -86,7 +86,8 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
                 step = rank0_step(ctx, inj, attempt)
                 if step is not None and step >= target:
                     break
-                if mon.snapshot().get("phase") in ("Succeeded", "Failed") or mon.snapshot().get("attempt", 0) != attempt:
+                if (mon.snapshot().get("phase") in ("Succeeded", "Failed")
+                        or mon.snapshot().get("attempt", 0) != attempt):
                     break
                 time.sleep(0.2)
             if mon.snapshot().get("phase") in ("Succeeded", "Failed"):
@@ -104,13 +105,14 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
             # 3. the fault's effect
             if kind in RESTARTING:
                 before = sum(f.extra["restarts_before"].values())
-                wait_for(lambda: sum(restarts(mon.snapshot()).values()) > before, a.effect_timeout,
+                wait_for(lambda: sum(restarts(mon.snapshot()).values()) > before, a.effect_timeout,  # noqa: B023 - polled now
                          f"the restart after {kind}")
                 if kind == "node-lost":
                     time.sleep(1.0)
                     inj.restore_nodes()
             elif kind.startswith("operator-kill"):
-                wait_for(lambda: inj.operators_recovered(f.extra["operators_before"], f.extra["victims"]), a.effect_timeout,
+                wait_for(lambda: inj.operators_recovered(f.extra["operators_before"], f.extra["victims"]),  # noqa: B023 - polled now
+                         a.effect_timeout,
                          "the operator pods to come back")
                 f.extra["operators_after"] = [p["metadata"]["name"] for p in inj.operators_running()]
             elif kind == "minio-outage":

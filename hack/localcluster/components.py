@@ -84,8 +84,8 @@ def _check_ports(cfg: C.ClusterConfig, name: str) -> None:
             try:
                 s.bind((host, port))
             except OSError as e:
-                raise RuntimeError(f"cannot start {name}: {host}:{port} is in use ({e.strerror}); "
-                                   "stop whatever holds it or choose other ports (see hack/localcluster/config.py)") from None
+                raise RuntimeError(f"cannot start {name}: {host}:{port} is in use ({e.strerror}); stop whatever "
+                                   "holds it or choose other ports (see hack/localcluster/config.py)") from None
 
 
 def start(cfg: C.ClusterConfig, name: str, argv: list[str], env: dict | None = None, check_ports: bool = True) -> None:
@@ -121,7 +121,7 @@ def _https_ok(url: str, cafile: Path | None = None, token: str | None = None) ->
     try:
         with urllib.request.urlopen(req, context=ctx, timeout=3) as resp:
             return resp.status == 200
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure (refused, TLS, timeout, HTTP error) is 'not healthy'
         return False
 
 
@@ -151,7 +151,7 @@ def healthy(cfg: C.ClusterConfig, name: str) -> bool:
             node = cfg.nodes[R.node_index(name)]
             conds = Kube.from_state(cfg).get(f"/api/v1/nodes/{node}")["status"].get("conditions", [])
             return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-        except Exception:
+        except Exception:  # noqa: BLE001 - no node yet, an API error: not healthy
             return False
     raise ValueError(name)
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 import ssl
 import urllib.parse
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 
 class ApiError(Exception):
@@ -34,7 +34,7 @@ class Kube:
         self.ctx = ssl.create_default_context(cafile=cafile) if cafile else ssl._create_unverified_context()
 
     @classmethod
-    def from_state(cls, cfg) -> "Kube":
+    def from_state(cls, cfg) -> Kube:
         secrets = json.loads(cfg.secrets_file.read_text())
         return cls(cfg.apiserver_url, secrets["admin_token"], str(cfg.pki / "ca.crt"))
 
@@ -108,7 +108,7 @@ class Kube:
             while True:
                 try:
                     line = resp.readline()
-                except (socket.timeout, OSError):
+                except (TimeoutError, OSError):
                     return
                 if not line:
                     return

@@ -19,7 +19,8 @@ from .kube import ApiError, Kube
 class LogTap:
     def __init__(self, kube: Kube, namespace: str, label_selector: str, directory: Path, poll_s: float = 1.0,
                  timestamps: bool = False):
-        self.kube, self.ns, self.selector, self.dir, self.poll_s = kube, namespace, label_selector, Path(directory), poll_s
+        self.kube, self.ns, self.selector = kube, namespace, label_selector
+        self.dir, self.poll_s = Path(directory), poll_s
         self.timestamps = timestamps   # each line starts with the kubelet's RFC 3339 time (kubectl logs --timestamps)
         self._stop = threading.Event()
         self._followed: set[tuple[str, str]] = set()   # (pod uid, container)
@@ -29,7 +30,7 @@ class LogTap:
     def path(self, pod: str, container: str) -> Path:
         return self.dir / f"{self.ns}_{pod}" / f"{container}.log"
 
-    def start(self) -> "LogTap":
+    def start(self) -> LogTap:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._thread.start()
         return self

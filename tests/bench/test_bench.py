@@ -18,7 +18,8 @@ def test_bench_smoke(tmp_path):
     """3 steps on 64 examples: both contenders run, see the same data and report comparable rows."""
     cmd = [sys.executable, "-m", "bench.run", "--steps", "3", "--warmup", "1", "--reps", "1",
            "--contenders", "ours,trl_padded", "--precisions", "fp32", "--threads", "1", "--num-examples", "64",
-           "--peak-seconds", "0.2", "--peak-sizes", "256", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "res")]
+           "--peak-seconds", "0.2", "--peak-sizes", "256",
+           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "res")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

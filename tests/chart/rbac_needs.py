@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException

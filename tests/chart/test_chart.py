@@ -127,7 +127,7 @@ def test_operator_pod_is_locked_down():
     # The flags exist in the operator's CLI (a renamed flag would crash-loop the pod).
     from sftjob_operator.cli import _parser
 
-    _parser().parse_args([a for a in c["args"]])
+    _parser().parse_args(list(c["args"]))
 
 
 def test_replicas_elect_a_leader_with_a_disruption_budget():
@@ -207,7 +207,8 @@ def test_rbac_grants_exactly_the_needed_verbs():
     docs = render(NAMESPACED)
     (crole,) = find(docs, "ClusterRole")
     assert {r["resources"][0] for r in crole["rules"]} == {"customresourcedefinitions", "nodes"}
-    roles = [r for r in find(docs, "Role") if not r["metadata"]["name"].endswith(("-leader-election", "-node-heartbeats"))]
+    roles = [r for r in find(docs, "Role")
+             if not r["metadata"]["name"].endswith(("-leader-election", "-node-heartbeats"))]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for r in roles:
         assert granted(r["rules"]) | granted(crole["rules"]) | LEASE_KEYS == set(NEEDS)

@@ -190,7 +190,8 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
         assert policy["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
         own, metrics_peers = policy["spec"]["ingress"]
         assert own == {"from": [{"podSelector": {"matchLabels": {"sftjob.io/job-name": "tiny-lora"}}}]}
-        assert metrics_peers["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": system_ns}
+        assert (metrics_peers["from"][0]["namespaceSelector"]["matchLabels"]
+                == {"kubernetes.io/metadata.name": system_ns})
     except AssertionError as err:
         raise AssertionError(f"{err}\noperator log:\n{op_log()[-4000:]}") from None
     # The chart's operator did the work with its in-cluster credentials: its metrics (scraped
@@ -254,7 +255,8 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
     # --- uninstall: no operator resource left; CRD and jobs kept (crds.keep) ----------
     cluster.helm("uninstall", release, "-n", system_ns, "--wait", "--timeout", "120s")
     sel = f"labelSelector=app.kubernetes.io/instance%3D{release}"
-    for path in (f"/apis/apps/v1/namespaces/{system_ns}/deployments", f"/apis/apps/v1/namespaces/{system_ns}/replicasets",
+    for path in (f"/apis/apps/v1/namespaces/{system_ns}/deployments",
+                 f"/apis/apps/v1/namespaces/{system_ns}/replicasets",
                  f"/api/v1/namespaces/{system_ns}/serviceaccounts", f"/api/v1/namespaces/{system_ns}/services",
                  f"/api/v1/namespaces/{system_ns}/configmaps",
                  f"/apis/networking.k8s.io/v1/namespaces/{system_ns}/networkpolicies",
@@ -263,7 +265,8 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
                  f"/apis/rbac.authorization.k8s.io/v1/namespaces/{system_ns}/roles",
                  f"/apis/rbac.authorization.k8s.io/v1/namespaces/{system_ns}/rolebindings",
                  f"/apis/policy/v1/namespaces/{system_ns}/poddisruptionbudgets",
-                 "/apis/rbac.authorization.k8s.io/v1/clusterroles", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"):
+                 "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+                 "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"):
         assert cluster.kube.get(f"{path}?{sel}")["items"] == [], path
     wait_for(lambda: not cluster.kube.get(f"/api/v1/namespaces/{system_ns}/pods?{sel}")["items"], 60,
              what="the operator pod to be gone")
@@ -330,7 +333,7 @@ def test_every_rbac_verb_is_needed(cluster, namespace, shared_crd):
                 # (a restored rule) too: wait until exactly the expected probes are refused.
                 seen: list[set] = []
                 try:
-                    wait_for(lambda: seen.append(refusals()) or seen[-1] == expected, 20)
+                    wait_for(lambda: seen.append(refusals()) or seen[-1] == expected, 20)  # noqa: B023 - polled in this iteration
                 except AssertionError:
                     pass
                 got = seen[-1] if seen else set()

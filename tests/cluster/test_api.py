@@ -51,7 +51,8 @@ def crd_yaml(group: str) -> str:
 
 
 def widget(name: str, lo: int, hi: int, group: str) -> str:
-    return f"apiVersion: {group}/v1\nkind: Widget\nmetadata: {{name: {name}}}\nspec: {{minReplicas: {lo}, maxReplicas: {hi}}}\n"
+    return (f"apiVersion: {group}/v1\nkind: Widget\nmetadata: {{name: {name}}}\n"
+            f"spec: {{minReplicas: {lo}, maxReplicas: {hi}}}\n")
 
 
 @pytest.fixture
@@ -146,10 +147,12 @@ def test_kubectl_apply_get_wait(cluster, namespace):
     again = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=manifest).stdout
     assert "unchanged" in again
     cluster.kubectl("wait", "-n", namespace, "--for=condition=Ready", "pod/waiter", "--timeout=90s")
-    got = cluster.kubectl("get", "-n", namespace, "pod", "waiter", "-o", "jsonpath={.status.phase} {.spec.nodeName}").stdout
+    got = cluster.kubectl("get", "-n", namespace, "pod", "waiter", "-o",
+                          "jsonpath={.status.phase} {.spec.nodeName}").stdout
     phase, node = got.split()
     assert phase == "Running" and node in cluster.cfg.nodes
-    assert "hello" in cluster.kubectl("get", "-n", namespace, "cm", "settings", "-o", "jsonpath={.data.greeting}").stdout
+    assert "hello" in cluster.kubectl("get", "-n", namespace, "cm", "settings", "-o",
+                                      "jsonpath={.data.greeting}").stdout
     version = json.loads(cluster.kubectl("version", "-o", "json").stdout)
     from hack.localcluster.config import VERSIONS
 
@@ -186,7 +189,8 @@ def test_helm_install_small_chart(cluster, namespace, tmp_path):
                 image: {TRAINER_IMAGE}
                 command: [python, -c, "import time; time.sleep(3600)"]
         """).replace("{TRAINER_IMAGE}", TRAINER_IMAGE))
-    cluster.helm("install", "rel", str(chart), "-n", namespace, "--set", "message=from-helm", "--wait", "--timeout", "120s")
+    cluster.helm("install", "rel", str(chart), "-n", namespace, "--set", "message=from-helm",
+                 "--wait", "--timeout", "120s")
     releases = json.loads(cluster.helm("list", "-n", namespace, "-o", "json").stdout)
     assert [(r["name"], r["status"]) for r in releases] == [("rel", "deployed")]
     cm = cluster.kube.get(f"/api/v1/namespaces/{namespace}/configmaps/rel-config")

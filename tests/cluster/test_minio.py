@@ -28,7 +28,8 @@ fs = pafs.S3FileSystem(endpoint_override=os.environ["AWS_ENDPOINT_URL"])
 pq.write_table(pa.table({"prompt": ["a", "b"], "response": ["x", "y"]}), f"{bucket}/data/train.parquet", filesystem=fs)
 table = pq.read_table(f"{bucket}/data/train.parquet", filesystem=fs)
 listed = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"])
-infos = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(bucket, recursive=True)) if i.type == pafs.FileType.File)
+infos = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(bucket, recursive=True))
+               if i.type == pafs.FileType.File)
 print(json.dumps({"got": got, "rows": table.num_rows, "listed": listed, "infos": infos}))
 """
 
@@ -50,8 +51,10 @@ def test_pod_writes_to_minio(cluster, namespace, s3_bucket):
     e = cluster.env
     cluster.kube.create(f"/api/v1/namespaces/{namespace}/secrets", {
         "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3"},
-        "stringData": {"AWS_ACCESS_KEY_ID": e["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": e["AWS_SECRET_ACCESS_KEY"]}})
-    script = f"import boto3; boto3.client('s3').put_object(Bucket='{s3_bucket}', Key='from-pod.txt', Body=b'hi from pod')"
+        "stringData": {"AWS_ACCESS_KEY_ID": e["AWS_ACCESS_KEY_ID"],
+                       "AWS_SECRET_ACCESS_KEY": e["AWS_SECRET_ACCESS_KEY"]}})
+    script = ("import boto3; "
+              f"boto3.client('s3').put_object(Bucket='{s3_bucket}', Key='from-pod.txt', Body=b'hi from pod')")
     cluster.kube.create(f"/api/v1/namespaces/{namespace}/pods", {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "uploader"},
         "spec": {"restartPolicy": "Never", "containers": [{

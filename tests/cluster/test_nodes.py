@@ -105,7 +105,8 @@ t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 dist.destroy_process_group()
 me = socket.gethostbyname(socket.gethostname())
-result = {"sum": t.item(), "peer_short": short, "peer_fqdn": fqdn, "peer_no_domain": no_domain, "hostname": socket.gethostname(), "me": me}
+result = {"sum": t.item(), "peer_short": short, "peer_fqdn": fqdn, "peer_no_domain": no_domain,
+          "hostname": socket.gethostname(), "me": me}
 print(json.dumps(result))
 open("/dev/termination-log", "w").write(json.dumps(result))
 """
@@ -280,7 +281,8 @@ def test_env_volumes_and_serviceaccount(cluster, namespace, tmp_path):
                          {"name": "creds", "mountPath": "/etc/creds"},
                          {"name": "scratch", "mountPath": "/scratch"},
                          {"name": "host", "mountPath": "/hostdata"}],
-    }, volumes=[{"name": "app", "configMap": {"name": "cfg", "items": [{"key": "settings.yaml", "path": "settings.yaml"}]}},
+    }, volumes=[{"name": "app",
+                 "configMap": {"name": "cfg", "items": [{"key": "settings.yaml", "path": "settings.yaml"}]}},
                 {"name": "creds", "secret": {"secretName": "creds"}},
                 {"name": "scratch", "emptyDir": {}},
                 {"name": "host", "hostPath": {"path": str(tmp_path)}}])
@@ -315,12 +317,14 @@ def test_missing_configmap_waits_then_runs(cluster, namespace):
 
     assert 'configmap "late" not found' in wait_for(config_error, 60, what="CreateContainerConfigError")["message"]
     assert cluster.pod(namespace, "later")["status"]["phase"] == "Pending"
-    create(cluster, namespace, {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late"}, "data": {"x": "1"}})
+    create(cluster, namespace,
+           {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late"}, "data": {"x": "1"}})
     assert cluster.wait_pod_phase(namespace, "later", ("Succeeded", "Failed"))["status"]["phase"] == "Succeeded"
 
 
 def test_host_reaches_pod_ip(cluster, namespace):
-    create(cluster, namespace, pod("web", "import http.server as h; h.test(h.SimpleHTTPRequestHandler, port=8080, bind='0.0.0.0')",
+    create(cluster, namespace, pod("web", "import http.server as h; "
+                                          "h.test(h.SimpleHTTPRequestHandler, port=8080, bind='0.0.0.0')",
                                    container={"workingDir": "/etc"}))
     p = cluster.wait_pod_phase(namespace, "web", "Running")
     ip = p["status"]["podIP"]
@@ -357,7 +361,8 @@ def test_node_loss(cluster, namespace):
         assert cluster.pod(namespace, "next")["status"]["phase"] == "Pending"
     finally:
         localcluster.node_restore(node)
-    assert cluster.wait_pod_phase(namespace, "next", ("Succeeded", "Failed"), timeout=120)["status"]["phase"] == "Succeeded"
+    next_pod = cluster.wait_pod_phase(namespace, "next", ("Succeeded", "Failed"), timeout=120)
+    assert next_pod["status"]["phase"] == "Succeeded"
     assert cluster.wait_pod_phase(namespace, "doomed", "Failed", timeout=120)["status"]["phase"] == "Failed"
 
 
@@ -410,7 +415,8 @@ def test_security_context_is_enforced(cluster, namespace):
         caps = [l.split()[1] for l in status.splitlines() if l.startswith("CapEff")][0]
         nnp = [l.split()[1] for l in status.splitlines() if l.startswith("NoNewPrivs")][0]
         open("/dev/termination-log", "w").write(json.dumps(
-            {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "rootfs": rootfs, "caps": caps, "nnp": nnp}))
+            {"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(), "rootfs": rootfs, "caps": caps,
+             "nnp": nnp}))
         """, securityContext={"runAsUser": 2345, "runAsGroup": 3456, "fsGroup": 4567, "runAsNonRoot": True},
         container={"securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                        "capabilities": {"drop": ["ALL"]}}}))
@@ -464,7 +470,7 @@ def test_nodes_are_real_kubelets_on_containerd(cluster):
     assert sorted(r[0] for r in rows) == sorted(cluster.cfg.nodes)
     for r in rows:
         assert r[1] == "Ready" and r[-1].startswith("containerd://"), r
-    for i, node in enumerate(cluster.cfg.nodes):
+    for node in cluster.cfg.nodes:
         info = cluster.kube.get(f"/api/v1/nodes/{node}")["status"]["nodeInfo"]
         assert info["kubeletVersion"] == localcluster.config.VERSIONS["K8S_VERSION"]
         assert re.match(r"containerd://1\.", info["containerRuntimeVersion"])

@@ -173,7 +173,8 @@ def test_dashboard_query_returns_data(demo, title, expr):
 # Panels the issue asks for that the chart's dashboard does not have yet (proposed to its
 # owner); checked here so that the proposal is known to work.
 PROPOSED = {
-    "Checkpoint age (steps)": 'sftjob_trainer_step{sftjob=~"$sftjob"} - sftjob_trainer_last_checkpoint_step{sftjob=~"$sftjob"}',
+    "Checkpoint age (steps)":
+        'sftjob_trainer_step{sftjob=~"$sftjob"} - sftjob_trainer_last_checkpoint_step{sftjob=~"$sftjob"}',
 }
 
 

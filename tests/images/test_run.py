@@ -130,7 +130,8 @@ def run(address: str, ref: str, *cmd: str, timeout: float = 300) -> subprocess.C
 
 PROBE = ("import json, os, importlib.util as u; print(json.dumps({'uid': os.getuid(), 'gid': os.getgid(), "
          "'home': os.environ.get('HOME'), 'cwd': os.getcwd(), "
-         "'found': {m: u.find_spec(m) is not None for m in ('torch', 'sftjob_contract', 'sftjob_operator', 'sftjob_trainer')}}))")
+         "'found': {m: u.find_spec(m) is not None "
+         "for m in ('torch', 'sftjob_contract', 'sftjob_operator', 'sftjob_trainer')}}))")
 
 
 def probe(address: str, ref: str, extra: str = "") -> dict:
@@ -141,14 +142,14 @@ def probe(address: str, ref: str, extra: str = "") -> dict:
 
 def test_load_imports_once_then_skips(loaded, built):
     address, first = loaded
-    assert first == {n: "imported" for n in LOADED}
+    assert first == dict.fromkeys(LOADED, "imported")
     assert {built[n].ref for n in LOADED} <= set(image_load._ready_images(address, "k8s.io"))
     # unpacked, their layer blobs left the content store: a node holds each layer once
     layers = {d for n in LOADED for d, _ in image_load._archive_layers(built[n].archive)[1]}
     assert not layers & set(ctr(address, "content", "ls", "-q").split())
     started = time.monotonic()
     again = images.load(address, names=LOADED)
-    assert again == {n: "present" for n in LOADED}
+    assert again == dict.fromkeys(LOADED, "present")
     assert time.monotonic() - started < 30
 
 
@@ -314,7 +315,8 @@ def test_a_cluster_load_removes_earlier_builds_and_their_tags(loaded, built, tmp
     assert images.load(address, names=LOADED, prune=True)["operator"] == "imported"
     refs = ctr(address, "images", "ls", "-q").split()
     assert tag not in refs and op.ref in refs
-    assert image_load._config_digest(address, "k8s.io", image_load._ready_images(address, "k8s.io")[op.ref]) == op.image_id
+    ready = image_load._ready_images(address, "k8s.io")
+    assert image_load._config_digest(address, "k8s.io", ready[op.ref]) == op.image_id
     assert old_manifest not in set(ctr(address, "content", "ls", "-q").split())  # freed, not just untagged
     # the other image loaded here was not touched
     assert {built[n].ref for n in LOADED} <= set(refs)

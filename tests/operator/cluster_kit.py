@@ -105,7 +105,8 @@ class Recorder(threading.Thread):
         last = {"failures": 0, "preemptions": 0, "attempt": 0}
         for t, status, pods in self.samples:
             running = live(pods)
-            assert len(running) <= nodes, f"more live pods than ranks at {t}: {[p['metadata']['name'] for p in running]}"
+            assert len(running) <= nodes, \
+                f"more live pods than ranks at {t}: {[p['metadata']['name'] for p in running]}"
             attempts = {p["metadata"]["labels"]["sftjob.io/attempt"] for p in running}
             assert len(attempts) <= 1, f"two gangs alive at once at {t}: {attempts}"
             now = {**status.get("restarts", {}), "attempt": status.get("attempt", 0)}

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Any
 
 from sftjob_operator import builders, reconcile
 from sftjob_operator.plan import Plan
 
 UID = "0f5c1a52-6a1e-4f0e-9d4e-3c1f7c8d2b10"
-T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def job_body(spec_overrides: dict[str, Any] | None = None, status: dict[str, Any] | None = None,

@@ -30,7 +30,7 @@ def test_committed_crd_matches_models():
 def test_schema_is_structural_and_documented():
     schema = crd.crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     for path, node in _walk(schema["properties"]["spec"]):
-        assert "description" in node or path.endswith("[items]") or path.endswith("[additionalProperties]"), path
+        assert "description" in node or path.endswith(("[items]", "[additionalProperties]")), path
         for banned in ("$ref", "anyOf", "allOf", "oneOf", "title", "prefixItems", "nullable", "const"):
             assert banned not in node, (path, banned)
         assert node.get("additionalProperties") is not False, path

@@ -23,14 +23,15 @@ def _at(nodes: int):
     return pred
 
 
-def test_elastic_job_is_admitted_smaller_and_grows_when_quota_frees(cluster, scoped_operator, example_ns, queue):  # noqa: F811
+def test_elastic_job_is_admitted_smaller_and_grows_when_quota_frees(cluster, scoped_operator, example_ns, queue):
     ns, op = example_ns, scoped_operator
     # One pod of a fixed-size job holds half the queue's quota for a while.
     apply(cluster, ns, queued("holder", queue, **{**SHORT, "resources.nodes": 1, "data.microBatchSizePerGpu": 128,
                                                    "training.totalTrainingSteps": 150}))
     wait_job(cluster, ns, "holder", op, phase_is("Running"), timeout=120, what="holder running")
     t0 = time.monotonic()
-    apply(cluster, ns, queued("elastic", queue, **{**SHORT, "resources.minNodes": 1, "resources.resizeCooldownSeconds": 5,
+    apply(cluster, ns, queued("elastic", queue, **{**SHORT, "resources.minNodes": 1,
+                                                    "resources.resizeCooldownSeconds": 5,
                                                     "training.totalTrainingSteps": 200}))
     try:
         job = wait_job(cluster, ns, "elastic", op, _at(1), timeout=180, what="admitted at 1 pod")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 
 import pytest
 from .op_testkit import job_body, pods_for, terminated
@@ -61,7 +61,7 @@ def test_node_not_ready_is_preemption():
     assert fp.classify_pod(POD, node_ready=None).state is fp.State.RUNNING
 
 
-NOT_READY_AT_20 = fp.NodeReadiness(False, since=datetime(2026, 1, 1, 12, 0, 20, tzinfo=timezone.utc))
+NOT_READY_AT_20 = fp.NodeReadiness(False, since=datetime(2026, 1, 1, 12, 0, 20, tzinfo=UTC))
 
 
 def _bound_at(stamp):
@@ -152,7 +152,7 @@ def test_waiting_pods_say_why():
 
 
 # -- a generic failure beside a peer that still "runs": the peer node's Lease decides -------------
-T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def _on(pod, node):

@@ -49,7 +49,8 @@ def test_a_script_from_argocd_cm_runs_without_the_string_library(tmp_path):
     check = tmp_path / "SFTJob"
     shutil.copytree(CHECK_DIR, check)
     (check / "health_test.yaml").write_text(yaml.safe_dump({"tests": [
-        {"healthStatus": {"status": "Progressing", "message": "phase Pending"}, "inputPath": "testdata/pending.yaml"}]}))
+        {"healthStatus": {"status": "Progressing", "message": "phase Pending"},
+         "inputPath": "testdata/pending.yaml"}]}))
     (check / "health.lua").write_text(
         'return {status = "Progressing", message = string.format("phase %s", obj.status.phase)}\n')
     proc = run("argo-test", str(check))

@@ -159,7 +159,8 @@ def test_suspend_and_resume(cluster, operator, example_ns):
     assert job["status"]["phase"] == "Succeeded", diagnose(cluster, ns, name, operator)
     assert job["status"]["restarts"]["total"] == 0
     rec.check_invariants(nodes=2)
-    resumed = re.search(rf"resumed from s3://\S+/{layout.CHECKPOINTS}/step-(\d+) ", cluster.pod_log(ns, f"{name}-node-0"))
+    resumed = re.search(rf"resumed from s3://\S+/{layout.CHECKPOINTS}/step-(\d+) ",
+                        cluster.pod_log(ns, f"{name}-node-0"))
     assert resumed, "the resumed gang found no checkpoint: the suspend did not take one"
     ckpt = int(resumed.group(1))
     assert ckpt >= max(3, stepped), (ckpt, stepped)   # the suspend's own checkpoint: none is periodic
@@ -194,7 +195,8 @@ def test_apply_to_all_pods_created_latency(cluster, operator, namespace):
         t0 = time.monotonic()
         apply(cluster, ns, obj)
         t1 = time.monotonic()
-        wait_for(lambda: len(pods_of(cluster, ns, name)) == 2, 60, interval=0.05, what=f"pods of {name}")
+        wait_for(lambda: len(pods_of(cluster, ns, name)) == 2, 60, interval=0.05,  # noqa: B023 - polled now
+                 what=f"pods of {name}")
         lat.append(time.monotonic() - t0)
         after_apply.append(time.monotonic() - t1)
     p50 = statistics.median(lat)
@@ -275,7 +277,7 @@ def test_invalid_specs_are_rejected_naming_the_field(cluster, crd, namespace):
 
 def test_immutable_fields_are_rejected_on_update(cluster, crd, namespace):
     """CEL transition rules: what cannot change mid-run is refused with the field's name."""
-    obj = example("immutable", **{"suspend": True})
+    obj = example("immutable", suspend=True)
     apply(cluster, namespace, obj)
     for path, value, expected in (("model.path", "s3://sftjob-examples/models/other", "model is immutable"),
                                   ("resources.processesPerNode", 2, "resources.processesPerNode is immutable"),

@@ -11,7 +11,7 @@ import re
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import pytest
 
@@ -45,7 +45,7 @@ def kueue(cluster):
 
 
 @pytest.fixture
-def queue(cluster, kueue, example_ns):  # noqa: F811
+def queue(cluster, kueue, example_ns):
     """A ClusterQueue with room for exactly one example job (2 pods x cpu 1, memory 4Gi),
     lower priorities preempted, and the LocalQueue `team` in the test's namespace."""
     ns = example_ns
@@ -190,7 +190,7 @@ def ungated(name):
     return pred
 
 
-def test_second_job_waits_gated_until_the_first_finishes(cluster, scoped_operator, example_ns, queue):  # noqa: F811
+def test_second_job_waits_gated_until_the_first_finishes(cluster, scoped_operator, example_ns, queue):
     ns, op = example_ns, scoped_operator
     rec = Sampler(cluster, ns, ["first", "second"])
     rec.start()
@@ -246,9 +246,9 @@ def _resume(log: str) -> tuple[int, int, float]:
     resumed = int(re.search(r"/step-(\d+)\b", lines[res]).group(1))
     steps = [(int(m.group(1)), line[:8]) for line in lines[res:] if (m := re.search(r" step (\d+)/\d+ loss", line))]
     assert [n for n, _ in steps] == list(range(resumed + 1, resumed + 1 + len(steps))), steps
-    day = datetime.now(timezone.utc).date()
+    day = datetime.now(UTC).date()
     hms = datetime.strptime(steps[0][1], "%H:%M:%S").time()
-    return saved, resumed, datetime.combine(day, hms, tzinfo=timezone.utc).timestamp()
+    return saved, resumed, datetime.combine(day, hms, tzinfo=UTC).timestamp()
 
 
 def _weights(cluster, uri: str) -> dict:
@@ -266,7 +266,7 @@ def _weights(cluster, uri: str) -> dict:
 
 
 def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
-        cluster, scoped_operator, example_ns, queue, tmp_path):  # noqa: F811
+        cluster, scoped_operator, example_ns, queue, tmp_path):
     ns, op = example_ns, scoped_operator
     spec = {**RESUMABLE, "training.totalTrainingSteps": 120, "resources.priorityClassName": LOW,
             "runPolicy.restartBackoffSeconds": 1}
@@ -335,7 +335,7 @@ def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
     assert not diff, f"weights differ from the undisturbed run: {diff[:5]}"
 
 
-def test_suspend_releases_the_quota_and_resume_queues_again(cluster, scoped_operator, example_ns, queue):  # noqa: F811
+def test_suspend_releases_the_quota_and_resume_queues_again(cluster, scoped_operator, example_ns, queue):
     ns, op = example_ns, scoped_operator
     apply(cluster, ns, queued("holder", queue, **SHORT))
     wait_job(cluster, ns, "holder", op, phase_is("Running"), timeout=120, what="holder running")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from sftjob_operator import cli, leader
+from datetime import UTC
 
 pytestmark = pytest.mark.unit
 
@@ -53,9 +54,9 @@ def test_unsafe_timings_are_refused(capsys):
 
 
 def test_micro_time_always_has_six_fractional_digits():
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    assert leader._micro_time(datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)) == "2026-01-02T03:04:05.000000Z"
+    assert leader._micro_time(datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)) == "2026-01-02T03:04:05.000000Z"
 
 
 def test_config_rejects_unsafe_timings():

@@ -63,7 +63,7 @@ def holder(cluster, ns: str) -> str:
 
 
 @pytest.fixture
-def pair(cluster, crd, example_ns, tmp_path):  # noqa: F811
+def pair(cluster, crd, example_ns, tmp_path):
     ops = [ElectedOperator(cluster.env, tmp_path / f"op-{c}.log", f"op-{c}", example_ns, example_ns) for c in "ab"]
     ops[0].start()
     if ELECTION:
@@ -138,7 +138,7 @@ def test_leader_killed_mid_job_standby_takes_over(cluster, example_ns, pair):
 
 
 @pytest.mark.skipif(not ELECTION, reason="leader election off")
-def test_lease_taken_away_exits_and_sigterm_releases(cluster, crd, namespace, tmp_path):  # noqa: F811
+def test_lease_taken_away_exits_and_sigterm_releases(cluster, crd, namespace, tmp_path):
     """Process level: a leader whose Lease another holder took exits at once with status 75;
     a leader stopped with SIGTERM hands the Lease back (empty holder) for an instant takeover."""
     op = ElectedOperator(cluster.env, tmp_path / "op.log", "op-solo", namespace, namespace)

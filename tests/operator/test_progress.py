@@ -209,7 +209,8 @@ def test_the_preflight_report_per_source_reaches_status():
     in the log: the trainer's labelled gauges become status.progress.sources, in its order."""
     from sftjob_contract import metrics as M
 
-    rows = [("chat", 300, 290, 10, 4, 9000, 500), ("code", 200, 200, 0, 0, 7000, 300), ("jsonl", 90, 88, 2, 1, 2000, 200)]
+    rows = [("chat", 300, 290, 10, 4, 9000, 500), ("code", 200, 200, 0, 0, 7000, 300),
+            ("jsonl", 90, 88, 2, 1, 2000, 200)]
     text = TEXT
     for metric, col in ((M.SOURCE_ROWS, 1), (M.SOURCE_USABLE_ROWS, 2), (M.SOURCE_DROPPED_ROWS, 3),
                         (M.SOURCE_TRUNCATED_ROWS, 4), (M.SOURCE_TOKENS, 5), (M.SOURCE_SAMPLES_PER_EPOCH, 6)):

@@ -50,8 +50,8 @@ def test_tracking_defaults_come_from_the_job_and_credentials_only_from_secrets()
 
 
 def test_explicit_names_win_over_the_job_defaults():
-    _, _, config, _ = _build(**{"tracking": {"mlflow": {"trackingUri": "http://m:5000", "experiment": "sft",
-                                                        "runName": "r1"}, "wandb": {"project": "p"}}})
+    _, _, config, _ = _build(tracking={"mlflow": {"trackingUri": "http://m:5000", "experiment": "sft",
+                                                        "runName": "r1"}, "wandb": {"project": "p"}})
     assert config["tracking"]["mlflow"] | {} == {"tracking_uri": "http://m:5000", "experiment": "sft", "run_name": "r1"}
     assert config["tracking"]["wandb"]["project"] == "p" and config["tracking"]["tensorboard"] is False
     assert "Secret" not in json.dumps(config)

@@ -134,7 +134,8 @@ def _failed_with(cluster, ns, name, op):
     ("missing ServiceAccount", {"resources.serviceAccountName": "no-such-sa"}, None, "PodRejected",
      "spec.resources.serviceAccountName"),
     ("pod larger than the quota", {"resources.cpu": "2"},
-     {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "small"}, "spec": {"hard": {"requests.cpu": "1"}}},
+     {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "small"},
+      "spec": {"hard": {"requests.cpu": "1"}}},
      "QuotaExceeded", "spec.resources"),
     # The job's other children: a name someone else holds is never taken over, and a refused
     # Service fails the job like a refused pod (it retried every 5 s forever, Pending).
@@ -154,8 +155,8 @@ def test_pods_the_api_server_refuses_fail_the_job_naming_the_field(cluster, scop
     if setup:
         cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps(setup))
     if setup and setup["kind"] == "ResourceQuota":
-        wait_for(lambda: cluster.kube.get(f"/api/v1/namespaces/{ns}/resourcequotas/small").get("status", {}).get("hard"),
-                 30, what="the quota to be counted")
+        quota = f"/api/v1/namespaces/{ns}/resourcequotas/small"
+        wait_for(lambda: cluster.kube.get(quota).get("status", {}).get("hard"), 30, what="the quota to be counted")
     apply(cluster, ns, example(name, **overrides))
     failed, events = _failed_with(cluster, ns, name, scoped_operator)
     assert failed["reason"] == reason and field in failed["message"], failed

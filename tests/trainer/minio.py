@@ -42,7 +42,8 @@ class MinioServer:
         env = dict(os.environ, MINIO_ROOT_USER=self.env["AWS_ACCESS_KEY_ID"],
                    MINIO_ROOT_PASSWORD=self.env["AWS_SECRET_ACCESS_KEY"], MINIO_BROWSER="off", MINIO_UPDATE="off")
         self.proc = subprocess.Popen([self.binary, "server", str(self.data_dir), "--quiet",
-                                      f"--address=127.0.0.1:{self.port}", f"--console-address=127.0.0.1:{_free_port()}"],
+                                      f"--address=127.0.0.1:{self.port}",
+                                      f"--console-address=127.0.0.1:{_free_port()}"],
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60
         while time.time() < deadline:

@@ -43,9 +43,10 @@ def serve(root: Path, timeout: float = 120.0) -> Iterator[str]:
             try:
                 urllib.request.urlopen(f"{url}/health", timeout=2).read()
                 break
-            except OSError:
+            except OSError as err:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"MLflow server did not start: {(root / 'server.log').read_text()[-2000:]}")
+                    tail = (root / "server.log").read_text()[-2000:]
+                    raise RuntimeError(f"MLflow server did not start: {tail}") from err
                 time.sleep(0.2)
         yield url
     finally:

@@ -76,7 +76,7 @@ class TinyS3:
                 f"<Name>{bucket}</Name><Prefix>{escape(prefix)}</Prefix><MaxKeys>1000</MaxKeys>"
                 f"<IsTruncated>false</IsTruncated>{rows}</ListBucketResult>").encode()
 
-    def __enter__(self) -> "TinyS3":
+    def __enter__(self) -> TinyS3:
         self.thread.start()
         return self
 

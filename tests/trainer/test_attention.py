@@ -40,7 +40,8 @@ def test_explicit_flash_attention_needs_cuda_and_flash_attn(monkeypatch, device,
 
 def test_explicit_flash_attention_with_fp32_is_refused_at_config_time_naming_both_keys():
     raw = {**MINIMAL, "model": {"path": "m", "attn_implementation": "flash_attention_2"}}
-    with pytest.raises(ConfigError, match=r"model\.attn_implementation=flash_attention_2 needs trainer\.precision=bf16"):
+    with pytest.raises(ConfigError,
+                       match=r"model\.attn_implementation=flash_attention_2 needs trainer\.precision=bf16"):
         build_config(raw)  # fp32 is the default precision
     ok = build_config({**raw, "trainer": {"output_dir": "o", "precision": "bf16"}})
     assert ok.model.attn_implementation == "flash_attention_2"

@@ -84,8 +84,8 @@ def _wait(what, until, proc, timeout=120.0):
 
 @pytest.mark.distributed
 def test_a_requested_checkpoint_holds_then_trains_on_or_stops_without_another(assets, tmp_path):
-    """2 ranks, no periodic checkpoint, a run too long to end by itself. A request with a 1 s hold checkpoints the current
-    step, holds, and training goes on; a second request with a long hold checkpoints again
+    """2 ranks, no periodic checkpoint, a run too long to end by itself. A request with a 1 s hold
+    checkpoints the current step, holds, and training goes on; a second request with a long hold checkpoints again
     and holds: no step is trained while holding, and the SIGTERM then writes nothing more
     (the stop found its step committed) and exits 143."""
     port = runner.free_port()

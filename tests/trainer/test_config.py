@@ -1,4 +1,5 @@
 import pytest
+from pydantic import ValidationError
 
 from sftjob_contract.config import ConfigError, SFTConfig, build_config, load_config, parse_overrides
 
@@ -14,10 +15,11 @@ def test_defaults_and_string_file_list():
 
 
 def test_overrides_parse_types_and_nest():
-    tree = parse_overrides(["optim.lr=1e-5", "data.packing=true", "data.train_files=[a.parquet,b.parquet]", "lora.rank=8"])
+    tree = parse_overrides(["optim.lr=1e-5", "data.packing=true", "data.train_files=[a.parquet,b.parquet]",
+                            "lora.rank=8"])
     assert tree == {"optim": {"lr": "1e-5"}, "data": {"packing": True, "train_files": ["a.parquet", "b.parquet"]},
                     "lora": {"rank": 8}}
-    cfg = build_config({**MINIMAL, **{"optim": tree["optim"]}})
+    cfg = build_config({**MINIMAL, "optim": tree["optim"]})
     assert cfg.optim.lr == pytest.approx(1e-5)
 
 
@@ -65,7 +67,7 @@ def test_bad_override_syntax():
 
 def test_config_is_frozen():
     cfg = build_config(MINIMAL)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.trainer.seed = 3  # type: ignore[misc]
 
 

@@ -23,7 +23,8 @@ def tok(assets):
 
 def write(tmp_path: Path, rows, name="d.parquet", schema=None) -> str:
     path = tmp_path / name
-    table = pa.Table.from_pylist(rows, schema=schema) if rows or schema is None else pa.Table.from_pylist([], schema=schema)
+    table = (pa.Table.from_pylist(rows, schema=schema) if rows or schema is None
+             else pa.Table.from_pylist([], schema=schema))
     pq.write_table(table, path)
     return str(path)
 
@@ -223,7 +224,8 @@ def test_micro_batch_must_divide_per_rank_batch(assets, tok):
     f = str(assets / "data" / "train.parquet")
     c = cfg([f], max_length=64, train_batch_size=4, micro_batch_size_per_gpu=4)
     ds = SFTDataset([f], SampleBuilder(tok, c), "train")
-    with pytest.raises(InvalidData, match=r"must divide the per-rank batch \(2 = data.train_batch_size 4 / 2 processes\)"):
+    with pytest.raises(InvalidData,
+                       match=r"must divide the per-rank batch \(2 = data.train_batch_size 4 / 2 processes\)"):
         GlobalBatches(ds, c, 0, 0, 2, 0)
 
 
@@ -259,10 +261,12 @@ def test_scan_reads_only_the_row_groups_of_its_block(tmp_path, tok, monkeypatch)
 
     reads = []
     real_read = pq.ParquetFile.read_row_group
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, **kw: reads.append(i) or real_read(self, i, **kw))
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group",
+                        lambda self, i, **kw: reads.append(i) or real_read(self, i, **kw))
     # the other rank's answer, as all_gather would bring it: the first half of the rows
     first_half = (whole.lengths[:32], 0, None)
-    monkeypatch.setattr(data.dist_utils, "all_gather_objects", lambda own: [first_half, (own[0], whole.stats.truncated, own[2])])
+    monkeypatch.setattr(data.dist_utils, "all_gather_objects",
+                        lambda own: [first_half, (own[0], whole.stats.truncated, own[2])])
     second = SFTDataset([f], SampleBuilder(tok, c), "t", rank=1, world=2)
     assert sorted(set(reads)) == [4, 5, 6, 7]
     assert np.array_equal(second.lengths, whole.lengths) and second.stats == whole.stats

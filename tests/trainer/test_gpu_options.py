@@ -30,7 +30,8 @@ def test_liger_needs_its_package_on_a_gpu(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "liger_kernel" else real(name, *a))
     with pytest.raises(InvalidConfig, match=r"model.liger_kernel: the liger-kernel package is not installed"):
         check_device_options(True, False, torch.device("cuda", 0))
     check_device_options(False, True, torch.device("cuda", 0))  # offload needs nothing more

@@ -14,7 +14,6 @@ import math
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from sftjob_contract import env as E

@@ -336,7 +336,8 @@ def test_model_from_an_empty_minio_prefix_exits_2_naming_spec_model_path(minio, 
     out = tmp_path / "out"
     args = s3_args(str(out), **{"model.path": f"s3://{BUCKET}/models/none", "data.train_files": minio.small_local})
     term = tmp_path / "termination-log"
-    result = runner.run(args, out, timeout=300, extra_env=env_for(minio, tmp_path) | {"SFTJOB_TERMINATION_LOG": str(term)})
+    result = runner.run(args, out, timeout=300,
+                        extra_env=env_for(minio, tmp_path) | {"SFTJOB_TERMINATION_LOG": str(term)})
     assert result.code == 2, result.output
     assert term.read_text().startswith(f"InvalidConfig: spec.model.path s3://{BUCKET}/models/none: no objects"), \
         term.read_text()

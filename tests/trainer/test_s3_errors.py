@@ -6,7 +6,6 @@ would refuse. ``SFTJOB_S3_ATTEMPTS=2`` keeps the retries to a second or two.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 

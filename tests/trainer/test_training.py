@@ -130,7 +130,8 @@ def test_empty_file_and_wrong_type_under_torchrun(assets, tmp_path):
     import pyarrow.parquet as pq
 
     empty = tmp_path / "empty.parquet"
-    pq.write_table(pa.Table.from_pylist([], schema=pa.schema([("prompt", pa.string()), ("response", pa.string())])), empty)
+    schema = pa.schema([("prompt", pa.string()), ("response", pa.string())])
+    pq.write_table(pa.Table.from_pylist([], schema=schema), empty)
     out = tmp_path / "out"
     res = runner.run(runner.base_args(assets, out, **{"data.train_files": empty}), out, nproc=2)
     assert res.code == 2 and "has no rows" in res.output

@@ -68,7 +68,8 @@ def test_padded_rows_drop_the_mask_and_count_only_real_tokens():
 
 @pytest.mark.unit
 def test_sp_that_does_not_divide_the_world_or_the_heads_is_refused():
-    with pytest.raises(InvalidConfig, match=r"trainer.sequence_parallel_size=2 must divide the number of processes \(3\)"):
+    with pytest.raises(InvalidConfig,
+                       match=r"trainer.sequence_parallel_size=2 must divide the number of processes \(3\)"):
         ulysses.setup(World(0, 0, 3, torch.device("cpu")), 2)
     with pytest.raises(InvalidConfig, match=r"sequence_parallel_size=4 must divide .*num_attention_heads \(6\)"):
         ulysses.check_heads(SimpleNamespace(num_attention_heads=6, num_key_value_heads=6), 4)

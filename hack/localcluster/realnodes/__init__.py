@@ -17,8 +17,9 @@ binary cache, ${SFTJOB_CACHE}/node-store/<bridge>-<i>, and outlives `cluster-dow
 the images is the slowest part of a cold start (and several GB per node), so it happens once
 per machine and image version, whichever checkout starts the cluster (two clusters with the
 same bridge cannot run at once: their ports collide, and `up` refuses). Containers and
-sandboxes are removed from it on `down` and before a kubelet starts. Sockets live in a short directory under /run (unix socket paths are limited to 107
-bytes and a checkout may sit deep in the file system).
+sandboxes are removed from it on `down` and before a kubelet starts. Sockets live in a short
+directory under /run (unix socket paths are limited to 107 bytes and a checkout may sit deep in
+the file system).
 
 Every node's pods hang off the one cluster bridge, so the pod network is flat: node i hands
 out addresses from the i+1-th /24 of the cluster subnet and the host (control plane, MinIO,

@@ -13,7 +13,8 @@ import argparse
 import copy
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import yaml
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from sftjob_operator import reconcile  # noqa: E402
 
-from tests.operator.op_testkit import apply, at, job_body, pods_for, running_job, terminated  # noqa: E402
+from tests.operator.op_testkit import apply, at, job_body, running_job, terminated  # noqa: E402
 
 METRICS = {"step": 7, "totalSteps": 20, "loss": 1.23456, "tokensPerSecond": 999.44, "lastCheckpointStep": 5}
 
