@@ -170,7 +170,7 @@ class SFTConfig(_Section):
                                      description="Experiment tracking (TensorBoard, MLflow, W&B); all off by default.")
 
     @model_validator(mode="after")
-    def _best_needs_validation(self) -> "SFTConfig":
+    def _best_needs_validation(self) -> SFTConfig:
         # Early stopping and the best model are judged on validation loss: without periodic
         # validation there is nothing to judge, and the job would silently do neither.
         t = self.trainer
@@ -180,7 +180,7 @@ class SFTConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _flash_attention_needs_bf16(self) -> "SFTConfig":
+    def _flash_attention_needs_bf16(self) -> SFTConfig:
         # flash-attention refuses fp32 inputs: fail here, not at the first forward on the GPU.
         if self.model.attn_implementation == "flash_attention_2" and self.trainer.precision == "fp32":
             raise ValueError("model.attn_implementation=flash_attention_2 needs trainer.precision=bf16 "

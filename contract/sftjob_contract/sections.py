@@ -108,7 +108,7 @@ class DataSource(_Section):
 
     _as_list_files = field_validator("files", mode="before")(_as_list)
 
-    def columns(self, data: "DataConfig") -> tuple[str, str, str | None]:
+    def columns(self, data: DataConfig) -> tuple[str, str, str | None]:
         """(prompt_key, response_key, messages_key) of this source, after inheriting from ``data``."""
         if self.prompt_key is None and self.response_key is None and self.messages_key is None:
             return data.prompt_key, data.response_key, data.messages_key
@@ -185,21 +185,21 @@ class DataConfig(_Section):
     _as_list_train = field_validator("train_files", "val_files", mode="before")(_as_list)
 
     @model_validator(mode="after")
-    def _distinct_columns(self) -> "DataConfig":
+    def _distinct_columns(self) -> DataConfig:
         if self.messages_key is None and self.prompt_key == self.response_key:
             raise ValueError(f"data.prompt_key and data.response_key are both {self.prompt_key!r}: the response "
                              "would be the prompt itself; name two different columns")
         return self
 
     @model_validator(mode="after")
-    def _one_kind_of_train_data(self) -> "DataConfig":
+    def _one_kind_of_train_data(self) -> DataConfig:
         if (self.train_files is None) == (self.sources is None):
             raise ValueError("give exactly one of data.train_files (one source) and data.sources (weighted sources); "
                              + ("both are set" if self.sources is not None else "neither is set"))
         return self
 
     @model_validator(mode="after")
-    def _sources_are_distinct(self) -> "DataConfig":
+    def _sources_are_distinct(self) -> DataConfig:
         names = self.source_names()
         for i, source in enumerate(self.sources or []):
             prompt, response, messages = source.columns(self)
@@ -215,7 +215,7 @@ class DataConfig(_Section):
         return [s.name if s.name is not None else str(i) for i, s in enumerate(self.sources or [])]
 
     @model_validator(mode="after")
-    def _micro_divides_global(self) -> "DataConfig":
+    def _micro_divides_global(self) -> DataConfig:
         if self.train_batch_size % self.micro_batch_size_per_gpu:
             raise ValueError(
                 f"data.micro_batch_size_per_gpu ({self.micro_batch_size_per_gpu}) must divide "

@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
-from sftjob_contract import env as E
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
 from sftjob_contract.tracking import HTTP_URI, MlflowConfig, TrackingConfig, WandbConfig
 from sftjob_contract.sections import DataSource
@@ -35,7 +34,7 @@ SHORT_NAMES = ["sft"]
 
 
 def _derive(source: type[BaseModel], *, include: list[str] | None = None, exclude: tuple[str, ...] = (),
-            extra: dict[str, dict] | None = None) -> dict[str, tuple[Any, Any]]:
+            extra: dict[str, dict[str, Any]] | None = None) -> dict[str, tuple[Any, Any]]:
     """Field definitions copied from a trainer config model (same type, bounds, description).
 
     `extra` adds schema keywords (e.g. CEL rules) to chosen fields. default_factory values
@@ -49,7 +48,7 @@ def _derive(source: type[BaseModel], *, include: list[str] | None = None, exclud
         info = copy.copy(source.model_fields[name])
         info.description = _camel_text(info.description)
         if info.default_factory is not None:
-            info.default = info.default_factory()  # type: ignore[call-arg]
+            info.default = info.get_default(call_default_factory=True)
             info.default_factory = None
         if extra and name in extra:
             info.json_schema_extra = {**(info.json_schema_extra or {}), **extra[name]}  # type: ignore[dict-item]
@@ -272,7 +271,7 @@ class TrackingSpec(SpecModel):
 
 # runPolicy.cleanPodPolicy (Kubeflow's names): which pods go when the job finishes.
 CleanPodPolicy = Literal["All", "Running", "None"]
-CLEAN_RUNNING = "Running"
+CLEAN_RUNNING: CleanPodPolicy = "Running"
 
 
 class RunPolicy(SpecModel):
@@ -370,7 +369,8 @@ class SFTJobSpec(SpecModel):
              "storage.endpoint only applies to an s3:// storage.uri", field_path=".storage.endpoint"),
         cel("self.model.attnImplementation != 'flash_attention_2' || self.training.precision != 'fp32'",
              "model.attnImplementation flash_attention_2 needs training.precision bf16 (flash-attention does not run "
-             "in fp32); use attnImplementation auto or sdpa, or precision bf16", field_path=".model.attnImplementation"),
+             "in fp32); use attnImplementation auto or sdpa, or precision bf16",
+             field_path=".model.attnImplementation"),
     ))
 
     model: ModelSpec = Field(description="The base model to fine-tune. Immutable.",

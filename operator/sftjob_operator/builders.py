@@ -59,7 +59,7 @@ class JobRef:
     uid: str
 
     @classmethod
-    def from_body(cls, body: dict[str, Any]) -> "JobRef":
+    def from_body(cls, body: dict[str, Any]) -> JobRef:
         meta = body["metadata"]
         return cls(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
 
@@ -391,5 +391,6 @@ def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def build_pods(job: JobRef, spec: api.SFTJobSpec, attempt: int, **ports: int) -> list[dict[str, Any]]:
-    return [build_pod(job, spec, rank, attempt, **ports) for rank in range(spec.resources.nodes)]
+def build_pods(job: JobRef, spec: api.SFTJobSpec, attempt: int, master_port: int = MASTER_PORT,
+               metrics_port: int = METRICS_PORT) -> list[dict[str, Any]]:
+    return [build_pod(job, spec, rank, attempt, master_port, metrics_port) for rank in range(spec.resources.nodes)]

@@ -39,10 +39,10 @@ async def ensure(kube: Kube, job: builders.JobRef, spec: api.SFTJobSpec,
             raise
         existing = await kube.read(manifest)
         owner = rejections.child_owner(existing, job.name, job.uid) if existing else "previous"
+        if owner == "previous" or not existing:  # an earlier job's, on its way out (or just deleted): look again
+            return None, True
         if owner == "taken":
             return rejections.name_taken(existing), False
-        if owner == "previous":  # an earlier job's, on its way out (or just deleted): look again
-            return None, True
         if manifest["kind"] == "ConfigMap" and existing.get("data") != manifest["data"]:
             await kube.patch_config_map_data(manifest)
     return None, False

@@ -21,8 +21,12 @@ import json
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from . import leader
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("sftjob_operator").setLevel(logging.INFO)
     metrics.serve(settings.metrics_port)
     liveness = f"http://0.0.0.0:{settings.liveness_port}/healthz" if settings.liveness_port else None
-    electors: list = []   # filled by _elect as soon as the elector exists
+    electors: list[leader.LeaderElector] = []   # filled by _elect as soon as the elector exists
     try:
         if settings.leader_election:
             _elect(settings.leader_election, settings.liveness_port, electors)
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             peering_name=settings.peering_name,
             # kopf's default identity comes from getpass.getuser(), which fails for a uid with
             # no /etc/passwd entry (the image's 65532, any runAsUser a cluster assigns)
-            identity=settings.identity,
+            identity=settings.identity,  # type: ignore[arg-type]  # kopf's Identity: a NewType of str it does not export
             memo=kopf.Memo(settings=settings),
         )
     finally:
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _elect(cfg, liveness_port: int, electors: list) -> None:
+def _elect(cfg: leader.Config, liveness_port: int, electors: list[leader.LeaderElector]) -> None:
     """Stand by until this replica holds the Lease; then renew it in the background."""
     from . import leader
 

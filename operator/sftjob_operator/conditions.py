@@ -9,7 +9,7 @@ Stalled once the job has failed.
 from __future__ import annotations
 
 from .phases import Phase
-from .status import Condition
+from .status import Condition, ConditionStatus
 
 # Types.
 READY = "Ready"
@@ -61,7 +61,7 @@ REASON_EDIT_APPLIED = "EditApplied"              # Event only: this version cann
 MAX_MESSAGE = 2000
 
 
-def set_condition(conds: list[Condition], ctype: str, status: bool | str, reason: str,
+def set_condition(conds: list[Condition], ctype: str, status: bool | ConditionStatus, reason: str,
                   message: str, now: str, generation: int | None = None) -> list[Condition]:
     """Return `conds` with condition `ctype` set; lastTransitionTime kept unless status flips."""
     value = status if isinstance(status, str) else ("True" if status else "False")

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from . import api
 from .status import SFTJobStatus
@@ -35,7 +36,8 @@ PRINTER_COLUMNS = [
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
      "description": "Why the job is in its phase: QueuedByKueue, Unschedulable, AllPodsRunning, ..."},
     {"name": "Step", "type": "string", "jsonPath": ".status.progress.summary", "description": "step/totalSteps."},
-    {"name": "Done%", "type": "number", "jsonPath": ".status.progress.percent", "description": "Percent of the steps done."},
+    {"name": "Done%", "type": "number", "jsonPath": ".status.progress.percent",
+     "description": "Percent of the steps done."},
     {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss", "description": "Latest training loss."},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.total", "description": "Gang restarts."},
     {"name": "Nodes", "type": "integer", "jsonPath": ".status.nodes", "description": "Pods in the current gang."},
@@ -57,7 +59,7 @@ PRINTER_COLUMNS = [
 ]
 
 
-def _is_null(s: dict) -> bool:
+def _is_null(s: dict[str, Any]) -> bool:
     return s.get("type") == "null"
 
 
@@ -113,11 +115,12 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
     return out
 
 
-def openapi_schema(model: type, *, by_alias: bool = True) -> dict[str, Any]:
+def openapi_schema(model: type[BaseModel], *, by_alias: bool = True) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of one pydantic model."""
     raw = model.model_json_schema(by_alias=by_alias)
     defs = raw.pop("$defs", {})
-    return _structural(raw, defs)
+    schema: dict[str, Any] = _structural(raw, defs)
+    return schema
 
 
 def crd() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The edit policy: what a user may change in a running SFTJob, and when the change takes
-effect. Pure; stated here once, rendered into the SFTJob reference's table (reference.py, docs/reference/sftjob.md) and checked
-against the CRD's immutability rules by a test.
+effect. Pure; stated here once, rendered into the SFTJob reference's table (reference.py,
+docs/reference/sftjob.md) and checked against the CRD's immutability rules by a test.
 
 Three kinds of field:
 - **never**: the API server refuses the edit (a CEL rule): what the run is (model, data,

@@ -135,18 +135,18 @@ def while_running(spec: api.SFTJobSpec, size: int, eligible: int | None, since: 
     if not is_elastic(spec):   # a fixed-size job whose nodes were raised: it restarts at the new size
         return Resize(wanted, REASON_SPEC_CHANGED, f"resources.nodes was set to {wanted}: resizing from {size} "
                       "at a checkpoint"), None
-    to = sizes.largest_within(spec, min(wanted, eligible)) if eligible is not None else None
-    if to is None or to <= size:
+    grow = sizes.largest_within(spec, min(wanted, eligible)) if eligible is not None else None
+    if grow is None or grow <= size:
         return None, None
     if edited:
-        return Resize(to, REASON_SPEC_CHANGED, f"resources.nodes was set to {wanted}: growing from {size} to {to} "
-                      f"({eligible} node(s) can host a pod) at a checkpoint"), None
+        return Resize(grow, REASON_SPEC_CHANGED, f"resources.nodes was set to {wanted}: growing from {size} to "
+                      f"{grow} ({eligible} node(s) can host a pod) at a checkpoint"), None
     cooldown = spec.resources.resize_cooldown_seconds
     left = cooldown - (now - since).total_seconds() if since else 0.0
     if left > 0:
         return None, left
-    return Resize(to, REASON_GROW_CAPACITY, f"{eligible} node(s) can host a pod now: growing from {size} to {to} "
-                  f"of the {wanted} wanted, at a checkpoint"), None
+    return Resize(grow, REASON_GROW_CAPACITY, f"{eligible} node(s) can host a pod now: growing from {size} to "
+                  f"{grow} of the {wanted} wanted, at a checkpoint"), None
 
 
 # -- applied on a reconcile pass (reconcile._Pass), where the policy is stated ------------------

@@ -40,7 +40,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from sftjob_contract import exits
 
@@ -85,7 +86,7 @@ class PodOutcome:
 
 def terminated_state(pod: dict[str, Any]) -> dict[str, Any] | None:
     for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        term = (cs.get("state") or {}).get("terminated")
+        term: dict[str, Any] | None = (cs.get("state") or {}).get("terminated")
         if term:
             return term
     return None
@@ -110,7 +111,8 @@ def _unschedulable(pod: dict[str, Any]) -> tuple[str, str]:
 def _condition(pod: dict[str, Any], ctype: str) -> dict[str, Any] | None:
     for cond in (pod.get("status") or {}).get("conditions") or []:
         if cond.get("type") == ctype:
-            return cond
+            found: dict[str, Any] = cond
+            return found
     return None
 
 
@@ -136,7 +138,8 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
     exit_code = term.get("exitCode") if term else None
     t_reason, t_message = parse_termination_message(term.get("message") if term else None)
 
-    if phase == PodPhase.SUCCEEDED or (phase == PodPhase.FAILED and exit_code == 0 and not pod["metadata"].get("deletionTimestamp")):
+    if phase == PodPhase.SUCCEEDED or (phase == PodPhase.FAILED and exit_code == 0
+                                       and not pod["metadata"].get("deletionTimestamp")):
         return PodOutcome(State.SUCCEEDED, exit_code=0)
     disruption = _condition(pod, "DisruptionTarget")
     if disruption and disruption.get("status") == "True":
@@ -170,7 +173,8 @@ def classify_pod(pod: dict[str, Any], node_ready: bool | None = None) -> PodOutc
         if exit_code is not None and exit_code >= 128:
             sig = exit_code - 128
             return PodOutcome(State.PREEMPTED, c.REASON_SIGNALLED,
-                              f"the trainer was stopped by signal {sig} ({STOP_SIGNALS.get(sig, 'unknown')})", exit_code)
+                              f"the trainer was stopped by signal {sig} ({STOP_SIGNALS.get(sig, 'unknown')})",
+                              exit_code)
         if exit_code is None:
             return PodOutcome(State.PREEMPTED, status.get("reason") or c.REASON_POD_LOST,
                               status.get("message", "the pod failed without a container exit code"), None)
@@ -228,9 +232,9 @@ def judge_gang(outcomes: dict[int, PodOutcome | None], nodes: int) -> GangVerdic
         rank, o = failed[0]
         return GangVerdict(Verdict.RESTART_FAILED, o.reason, f"rank {rank}: {o.message}")
     if lost:
-        rank, o = lost[0]
-        reason = o.reason if o else c.REASON_POD_DELETED
-        message = f"rank {rank}: {o.message if o else 'the pod disappeared'}"
+        rank, gone = lost[0]
+        reason = gone.reason if gone else c.REASON_POD_DELETED
+        message = f"rank {rank}: {gone.message if gone else 'the pod disappeared'}"
         if failed:
             message += f"; rank {failed[0][0]} then failed ({failed[0][1].reason}), counted with the preemption"
         return GangVerdict(Verdict.RESTART_PREEMPTED, reason, message)
@@ -313,7 +317,8 @@ def settle_generic_failure(outcomes: dict[int, PodOutcome | None], pods: dict[in
     peer's node has not renewed since the failure yet but may still (0: judge now). A peer whose
     node's Lease is unknown (not read, or RBAC forbids it) is taken as alive."""
     generic = [r for r, o in outcomes.items()
-               if o and o.state is State.FAILED and not o.permanent and o.exit_code is not None and 0 < o.exit_code < 128]
+               if o and o.state is State.FAILED and not o.permanent
+               and o.exit_code is not None and 0 < o.exit_code < 128]
     times = [t for r in generic if (t := _finished_at(pods.get(r))) is not None]
     if not times:
         return outcomes, 0.0
@@ -345,7 +350,7 @@ def restart_delay(base_seconds: float, restarts_so_far: int) -> float:
     """Exponential back-off before gang restart number restarts_so_far + 1."""
     if base_seconds <= 0:
         return 0.0
-    return min(MAX_RESTART_BACKOFF_S, base_seconds * (2 ** max(0, restarts_so_far)))
+    return min(MAX_RESTART_BACKOFF_S, base_seconds * float(2 ** max(0, restarts_so_far)))
 
 
 def pods_to_stop(pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

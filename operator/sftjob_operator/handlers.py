@@ -15,8 +15,8 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any
+from datetime import datetime, UTC
+from typing import Any, cast
 
 import aiohttp
 import kopf
@@ -26,6 +26,7 @@ from sftjob_contract.metrics import METRICS_PATH
 
 from . import api, builders, children, metrics, progress, reconcile, rejections, status
 from . import conditions as c
+from .failure_policy import NodeLease, NodeReadiness
 from .kube import Conflict, Kube
 from .phases import TERMINAL, PodPhase
 from .plan import Plan
@@ -56,11 +57,11 @@ class Runtime:
     locks: dict[Key, asyncio.Lock] = field(default_factory=dict)
     phases: metrics.PhaseBook = field(default_factory=metrics.PhaseBook)
     last_tick: float = field(default_factory=time.monotonic)
-    task: asyncio.Task | None = None
-    running: set = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+    running: set[Key] = field(default_factory=set)
     # When this process began watching (kopf starts it only after the leader lease is won):
     # the progress watchdog counts no time before it (deadlines.progress_left).
-    observing_since: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    observing_since: datetime = field(default_factory=lambda: datetime.now(UTC))
     settings: Settings = field(default_factory=Settings)
 
     def enqueue(self, key: Key, after: float = 0.0, urgent: bool = False) -> None:
@@ -88,7 +89,8 @@ class Runtime:
 
 
 def _rt(memo: Any) -> Runtime:
-    return memo["sftjob"]
+    rt: Runtime = memo["sftjob"]
+    return rt
 
 
 @kopf.on.startup()
@@ -120,7 +122,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     rt.session = aiohttp.ClientSession()
     # Progress is read in the background: a reconcile never waits on a trainer's endpoint,
     # so one unreachable pod cannot delay another job's reconcile.
-    rt.scraper = progress.Scraper(rt.session, on_change=lambda key: rt.enqueue(key, urgent=True))
+    # The scraper hands back the keys it was given: this runtime's (namespace, name) Keys.
+    rt.scraper = progress.Scraper(rt.session, on_change=lambda key: rt.enqueue(cast(Key, key), urgent=True))
     rt.task = asyncio.create_task(_scheduler(rt), name="sftjob-scheduler")
     memo["sftjob"] = rt
 
@@ -149,13 +152,13 @@ def scheduler_alive(memo: kopf.Memo, **_: Any) -> float:
 
 @kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
-@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, field="spec")  # type: ignore[arg-type]  # kopf: namespace: str | None; ours are namespaced
 async def on_job(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     await reconcile_job(_rt(memo), namespace, name, from_handler=True)
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
-def on_job_event(event: dict[str, Any], namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)  # type: ignore[arg-type]  # kopf: namespace: str | None; ours are namespaced
+def on_job_event(event: kopf.RawEvent, namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     if event.get("type") == "DELETED":
         rt = _rt(memo)
         rt.phases.set((namespace, name), None)
@@ -166,8 +169,8 @@ def on_job_event(event: dict[str, Any], namespace: str, name: str, memo: kopf.Me
             rt.scraper.forget((namespace, name))
 
 
-@kopf.on.event("", "v1", "pods", labels={builders.LABEL_JOB: kopf.PRESENT})
-def on_pod_event(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event("", "v1", "pods", labels={builders.LABEL_JOB: kopf.PRESENT})  # type: ignore[arg-type]  # kopf: namespace: str | None; ours are namespaced
+def on_pod_event(labels: kopf.Labels, namespace: str, memo: kopf.Memo, **_: Any) -> None:
     _rt(memo).enqueue((namespace, labels[builders.LABEL_JOB]), urgent=True)
 
 
@@ -226,7 +229,8 @@ def _resizable(body: dict[str, Any]) -> bool:
     return res.get("minNodes", nodes) < nodes or running not in (None, nodes)
 
 
-async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[str, Any]]):
+async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[str, Any]]
+                   ) -> tuple[dict[str, NodeReadiness], dict[str, NodeLease], dict[str, Any] | None]:
     attempt = status.parse(body.get("status")).attempt
     gang = [p for p in pods if builders.pod_attempt(p) == attempt]
     nodes = _nodes(pods, PodPhase.PENDING, PodPhase.RUNNING)
@@ -239,7 +243,7 @@ async def _observe(rt: Runtime, key: Key, body: dict[str, Any], pods: list[dict[
     scraped = None
     rank0 = next((p for p in gang if p["metadata"].get("labels", {}).get(builders.LABEL_RANK) == "0"), None)
     running = rank0 and _phase(rank0) == PodPhase.RUNNING and rank0["status"].get("podIP")
-    if rt.scraper is not None and running:
+    if rt.scraper is not None and running and rank0 is not None:
         url = f"http://{rank0['status']['podIP']}:{builders.METRICS_PORT}{METRICS_PATH}"
         scraped = rt.scraper.want(key, rank0["metadata"]["uid"], url)
     elif rt.scraper is not None:
@@ -303,11 +307,11 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
     pods = await rt.kube.list_pods(namespace, name)
     node_ready, leases, scraped = await _observe(rt, key, body, pods)
     cluster_nodes = await rt.kube.list_nodes() if _resizable(body) else None
-    plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, scraped, node_leases=leases,
+    plan = reconcile.plan(body, pods, datetime.now(UTC), node_ready, scraped, node_leases=leases,
                           observing_since=rt.observing_since, cluster_nodes=cluster_nodes)
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     rejection = await _apply(rt, key, body, plan, uids)
-    if plan.checkpoint_hold_s is not None and rt.scraper is not None:   # a planned stop (stop_request.py)
+    if plan.checkpoint_hold_s is not None and rt.scraper is not None and rt.session is not None:  # a planned stop
         if failed := await progress.ask_checkpoint(rt.session, rt.scraper.targets.get(key), plan.checkpoint_hold_s):
             await rt.kube.merge_status(namespace, name, {"checkpointRequest": {"failed": failed}})
             rt.enqueue(key, 0.5)
@@ -318,7 +322,7 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         if body is None:
             return plan
         pods = await rt.kube.list_pods(namespace, name)
-        plan = reconcile.plan(body, pods, datetime.now(timezone.utc), node_ready, None, rejection, leases,
+        plan = reconcile.plan(body, pods, datetime.now(UTC), node_ready, None, rejection, leases,
                               rt.observing_since, cluster_nodes)
         await _apply(rt, key, body, plan, {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods})
     return plan

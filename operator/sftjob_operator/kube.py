@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from datetime import datetime
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import kubernetes
@@ -31,7 +32,7 @@ NODE_LEASE_NAMESPACE = "kube-node-lease"  # where each kubelet renews the Lease 
 API_TIMEOUT = (5.0, 30.0)
 
 
-def _run(fn, *args, **kwargs):
+def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Coroutine[Any, Any, Any]:
     return asyncio.to_thread(fn, *args, _request_timeout=API_TIMEOUT, **kwargs)
 
 
@@ -62,7 +63,7 @@ class Kube:
         self._node_list: tuple[float, list[dict[str, Any]] | None] = (-1e9, None)
 
     @staticmethod
-    async def _call(fn, *args, **kwargs) -> Any:
+    async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         resp = await _run(fn, *args, _preload_content=False, **kwargs)
         data = resp.data
         return json.loads(data) if data else None
@@ -70,8 +71,9 @@ class Kube:
     # -- SFTJobs --------------------------------------------------------------------------
     async def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self._call(self.custom.get_namespaced_custom_object,
-                                    api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+            job: dict[str, Any] | None = await self._call(self.custom.get_namespaced_custom_object,
+                                                          api.GROUP, api.VERSION, namespace, api.PLURAL, name)
+            return job
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -80,7 +82,8 @@ class Kube:
     async def list_jobs(self, namespaces: list[str] | None) -> list[dict[str, Any]]:
         if not namespaces:
             res = await self._call(self.custom.list_cluster_custom_object, api.GROUP, api.VERSION, api.PLURAL)
-            return res["items"]
+            everywhere: list[dict[str, Any]] = res["items"]
+            return everywhere
         items: list[dict[str, Any]] = []
         for ns in namespaces:
             res = await self._call(self.custom.list_namespaced_custom_object, api.GROUP, api.VERSION, ns, api.PLURAL)
@@ -92,9 +95,10 @@ class Kube:
         meta = body["metadata"]
         patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": status}
         try:
-            return await _run(
+            patched: dict[str, Any] = await _run(
                 self.custom.patch_namespaced_custom_object_status,
                 api.GROUP, api.VERSION, meta["namespace"], api.PLURAL, meta["name"], patch)
+            return patched
         except ApiException as err:
             if err.status == 409:
                 raise Conflict(str(err.reason)) from None
@@ -117,14 +121,17 @@ class Kube:
     # -- children -------------------------------------------------------------------------
     async def list_pods(self, namespace: str, job_name: str) -> list[dict[str, Any]]:
         res = await self._call(self.core.list_namespaced_pod, namespace, label_selector=f"{LABEL_JOB}={job_name}")
-        return res["items"]
+        pods: list[dict[str, Any]] = res["items"]
+        return pods
 
     async def create(self, manifest: dict[str, Any]) -> bool:
         """Create a Pod, Service, ConfigMap or NetworkPolicy; False when it already exists."""
         ns = manifest["metadata"]["namespace"]
-        fn = {"Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
-              "ConfigMap": self.core.create_namespaced_config_map,
-              "NetworkPolicy": self.networking.create_namespaced_network_policy}[manifest["kind"]]
+        creators: dict[str, Callable[..., Any]] = {
+            "Pod": self.core.create_namespaced_pod, "Service": self.core.create_namespaced_service,
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "NetworkPolicy": self.networking.create_namespaced_network_policy}
+        fn = creators[manifest["kind"]]
         try:
             await _run(fn, ns, manifest)
             return True

@@ -34,9 +34,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
@@ -96,7 +97,7 @@ def in_cluster() -> bool:
 
 def _micro_time(dt: datetime) -> str:
     # MicroTime wants exactly six fractional digits (isoformat() drops them at .000000).
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _api_client() -> kubernetes.client.ApiClient:
@@ -128,7 +129,8 @@ class LeaseLock:
 
     @staticmethod
     def _json(resp: Any) -> dict[str, Any]:
-        return json.loads(resp.data)
+        lease: dict[str, Any] = json.loads(resp.data)
+        return lease
 
     def get(self, timeout: float) -> dict[str, Any] | None:
         try:
@@ -140,20 +142,22 @@ class LeaseLock:
             raise
 
     def create(self, spec: dict[str, Any], timeout: float, dry_run: bool = False) -> dict[str, Any]:
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace,
-                             "labels": {"app.kubernetes.io/component": "operator",
-                                        "app.kubernetes.io/part-of": "sftjob"}},
-                "spec": spec}
-        kw = {"dry_run": "All"} if dry_run else {}
-        return self._json(self.api.create_namespaced_lease(self.namespace, body, _preload_content=False,
-                                                           _request_timeout=timeout, **kw))
+        body: dict[str, Any] = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                "metadata": {"name": self.name, "namespace": self.namespace,
+                                             "labels": {"app.kubernetes.io/component": "operator",
+                                                        "app.kubernetes.io/part-of": "sftjob"}},
+                                "spec": spec}
+        kw: dict[str, Any] = {"dry_run": "All"} if dry_run else {}
+        return self._json(self.api.create_namespaced_lease(  # the client serializes a dict body as well
+            self.namespace, body, _preload_content=False,  # type: ignore[arg-type]
+            _request_timeout=timeout, **kw))
 
     def update(self, lease: dict[str, Any], spec: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Replace the spec, only if the Lease is still at the resourceVersion read (else 409)."""
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": lease["metadata"], "spec": spec}
-        return self._json(self.api.replace_namespaced_lease(self.name, self.namespace, body, _preload_content=False,
-                                                            _request_timeout=timeout))
+        return self._json(self.api.replace_namespaced_lease(  # the client serializes a dict body as well
+            self.name, self.namespace, body, _preload_content=False,  # type: ignore[arg-type]
+            _request_timeout=timeout))
 
 
 class LeaderElector:
@@ -183,15 +187,16 @@ class LeaderElector:
         timeout = timeout or max(1.0, self.cfg.renew_deadline / 2)
         me = self.cfg.identity
         started = self.clock()
-        now = _micro_time(datetime.now(timezone.utc))
+        now = _micro_time(datetime.now(UTC))
         try:
             lease = self.lock.get(timeout)
             if lease is None and self.is_leader:
                 self.holder = ""   # deleted under us: a standby may be creating it right now
                 return False
             if lease is None:
-                spec = {"holderIdentity": me, "leaseDurationSeconds": int(round(self.cfg.lease_duration)),
-                        "acquireTime": now, "renewTime": now, "leaseTransitions": 0}
+                spec: dict[str, Any] = {"holderIdentity": me,
+                                        "leaseDurationSeconds": int(round(self.cfg.lease_duration)),
+                                        "acquireTime": now, "renewTime": now, "leaseTransitions": 0}
                 lease = self.lock.create(spec, timeout)
                 self._won(lease, started)
                 return True
@@ -215,7 +220,7 @@ class LeaderElector:
                 duration = spec.get("leaseDurationSeconds") or self.cfg.lease_duration
                 if started - self._observed_at < duration:
                     return False
-            new = {"holderIdentity": me, "leaseDurationSeconds": int(round(self.cfg.lease_duration)),
+            new: dict[str, Any] = {"holderIdentity": me, "leaseDurationSeconds": int(round(self.cfg.lease_duration)),
                    "renewTime": now}
             if holder == me:
                 new["acquireTime"] = spec.get("acquireTime") or now
@@ -323,7 +328,7 @@ class LeaderElector:
             lease = self.lock.get(self.cfg.renew_deadline / 2)
             if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.cfg.identity:
                 return False
-            now = _micro_time(datetime.now(timezone.utc))
+            now = _micro_time(datetime.now(UTC))
             spec = {"holderIdentity": "", "leaseDurationSeconds": 1, "acquireTime": now, "renewTime": now,
                     "leaseTransitions": (lease.get("spec") or {}).get("leaseTransitions") or 0}
             self.lock.update(lease, spec, self.cfg.renew_deadline / 2)
@@ -345,7 +350,7 @@ class StandbyHealth:
         elector_ = elector
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 if self.path.split("?")[0] != "/healthz":
                     self.send_error(404)
                     return

@@ -5,9 +5,9 @@ pods need no RBAC at all. Metric names are the contract's (sftjob_contract.metri
 
 The endpoint is the user's pod, so nothing it serves may hurt the operator: a response is
 read up to MAX_BYTES and parsed off the event loop, values that are not finite are
-dropped (except the loss, which is shown as such: a NaN run must not look healthy), and reads happen in a background `Scraper` (bounded concurrency, back-off for
-endpoints that do not answer), never inside a reconcile: one unreachable pod cannot delay
-another job.
+dropped (except the loss, which is shown as such: a NaN run must not look healthy), and
+reads happen in a background `Scraper` (bounded concurrency, back-off for endpoints that do
+not answer), never inside a reconcile: one unreachable pod cannot delay another job.
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import asyncio
 import logging
 import math
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable, Hashable
+from datetime import datetime, UTC
+from typing import Any
+from collections.abc import Callable, Hashable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -102,7 +103,7 @@ def merge(progress: Progress, metrics: dict[str, Any], now: str) -> Progress:
     loss = metrics.pop("loss", None)
     committed = metrics.pop("lastCheckpointTime", None)
     if committed:
-        metrics["lastCheckpointTime"] = datetime.fromtimestamp(committed, timezone.utc).strftime(TIME_FORMAT)
+        metrics["lastCheckpointTime"] = datetime.fromtimestamp(committed, UTC).strftime(TIME_FORMAT)
     new = Progress.model_validate({**progress.model_dump(by_alias=True, exclude_none=True), **metrics})
     if loss is not None and math.isfinite(loss):
         new.loss, new.non_finite_loss = loss, None
@@ -135,7 +136,7 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | N
             log.info("scrape %s: response larger than %d bytes, ignored", url, MAX_BYTES)
             return None
         return await asyncio.to_thread(parse_metrics, body.decode("utf-8", "replace"))
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OverflowError) as err:
+    except (TimeoutError, aiohttp.ClientError, ValueError, OverflowError) as err:
         log.debug("scrape %s failed: %s", url, err)
         return None
 
@@ -155,7 +156,7 @@ async def ask_checkpoint(session: aiohttp.ClientSession, target: tuple[str, str]
             if resp.status == 202:
                 return None
             return f"POST {url} answered {resp.status} (a trainer image without the endpoint?)"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+    except (TimeoutError, aiohttp.ClientError) as err:
         return f"POST {url} failed: {err or type(err).__name__}"
 
 
@@ -183,7 +184,7 @@ class Scraper:
         self.session, self.on_change, self.interval = session, on_change, interval
         self.slots = asyncio.Semaphore(concurrency)
         self.targets: dict[Hashable, tuple[str, str]] = {}
-        self.tasks: dict[Hashable, asyncio.Task] = {}
+        self.tasks: dict[Hashable, asyncio.Task[None]] = {}
         self.latest: dict[Hashable, dict[str, Any]] = {}
 
     def want(self, key: Hashable, pod_uid: str, url: str) -> dict[str, Any] | None:

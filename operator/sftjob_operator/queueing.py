@@ -90,7 +90,8 @@ def termination_target(pod: dict[str, Any]) -> dict[str, Any] | None:
     """Kueue's `TerminationTarget` condition when it stopped the pod's Workload."""
     for cond in (pod.get("status") or {}).get("conditions") or []:
         if cond.get("type") == TERMINATION_TARGET and cond.get("status") == "True":
-            return cond
+            target: dict[str, Any] = cond
+            return target
     return None
 
 
@@ -133,5 +134,5 @@ def admission(pods: list[dict[str, Any]]) -> Admission | None:
         return Admission(True, REASON_NOT_MANAGED,
                          f"pod group {group} was never gated by Kueue, so it runs outside any quota: is Kueue's "
                          "pod integration enabled for this namespace (managedJobsNamespaceSelector)?", queued=False)
-    return Admission(True, REASON_ADMITTED, f"Kueue admitted pod group {group} (LocalQueue {queue}); its pods are ungated",
-                     queued=False)
+    return Admission(True, REASON_ADMITTED,
+                     f"Kueue admitted pod group {group} (LocalQueue {queue}); its pods are ungated", queued=False)

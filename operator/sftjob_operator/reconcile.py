@@ -20,7 +20,7 @@ module: failure_policy, success, suspend, deadlines, ttl, stale, queueing (Kueue
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from typing import Any
 
 from sftjob_contract import layout
@@ -120,7 +120,6 @@ class _Pass:
         except builders.InvalidSpec as err:
             self.st.observed_generation = self.generation   # observed, and judged: it cannot run
             if self.st.phase != Phase.FAILED:
-                self.spec = None
                 self.set_phase(Phase.FAILED, c.REASON_INVALID_SPEC, str(err))
                 self.st.completion_time = iso(self.now)
                 self.event("Warning", c.REASON_INVALID_SPEC, str(err))
@@ -260,7 +259,8 @@ class _Pass:
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.size
         self.queued = self.track_admission(current)
-        outcomes = {r: fp.classify_pod(p, fp.node_ready_for(p, self.node_ready.get((p.get("spec") or {}).get("nodeName", ""))))
+        outcomes: dict[int, fp.PodOutcome | None] = {r: fp.classify_pod(p, fp.node_ready_for(
+                        p, self.node_ready.get((p.get("spec") or {}).get("nodeName", ""))))
                     for r, p in current.items()}
         outcomes, settle_s = fp.settle_generic_failure(outcomes, current, self.node_leases, self.now)
         verdict = fp.judge_gang(outcomes, nodes)
@@ -387,10 +387,11 @@ def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None 
          rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
          observing_since: datetime | None = None, cluster_nodes: list[dict[str, Any]] | None = None) -> Plan:
     """Decide what to do for one SFTJob given its pods (see module docstring). `node_ready`:
-    the Ready condition of the nodes of pending and running pods. `rejection`: the API server refused to create a pod of the current attempt.
+    the Ready condition of the nodes of pending and running pods. `rejection`: the API server
+    refused to create a pod of the current attempt.
     `node_leases`: the heartbeats of the nodes of running pods, read when a rank has failed
     (failure_policy.settle_generic_failure). `observing_since`: when this operator process
     began watching (deadlines.progress_left). `cluster_nodes`: the Nodes, read for a job
     that may change size (elastic.py); None: not read."""
-    return _Pass(body, pods, now or datetime.now(timezone.utc), node_ready, metrics, rejection, node_leases,
+    return _Pass(body, pods, now or datetime.now(UTC), node_ready, metrics, rejection, node_leases,
                  observing_since, cluster_nodes).run()

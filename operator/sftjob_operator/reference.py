@@ -20,8 +20,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import yaml
+from pydantic import BaseModel
 
 from . import edits
 
@@ -30,7 +32,7 @@ CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
 BEGIN, END = "<!-- BEGIN sftjob-reference -->", "<!-- END sftjob-reference -->"
 
 
-def _type(s: dict) -> str:
+def _type(s: dict[str, Any]) -> str:
     t = s.get("type", "")
     if t == "array":
         return f"[]{_type(s.get('items', {}))}"
@@ -41,7 +43,7 @@ def _type(s: dict) -> str:
     return t or "any"
 
 
-def _constraints(s: dict) -> list[str]:
+def _constraints(s: dict[str, Any]) -> list[str]:
     out = []
     if "enum" in s:
         out.append("one of " + ", ".join(f"`{v}`" for v in s["enum"]))
@@ -65,14 +67,14 @@ def _md(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def _default(s: dict) -> str:
+def _default(s: dict[str, Any]) -> str:
     if "default" not in s:
         return ""
     v = s["default"]
     return f"`{json.dumps(v) if not isinstance(v, str) else v}`"
 
 
-def _objects(path: str, schema: dict, out: list[tuple[str, dict]]) -> None:
+def _objects(path: str, schema: dict[str, Any], out: list[tuple[str, dict[str, Any]]]) -> None:
     """Depth-first list of (path, object schema) for every object with properties."""
     if schema.get("type") == "array" and isinstance(schema.get("items"), dict):
         _objects(path + "[]", schema["items"], out)
@@ -85,7 +87,7 @@ def _objects(path: str, schema: dict, out: list[tuple[str, dict]]) -> None:
         _objects(f"{path}.{name}", sub, out)
 
 
-def render(crd: dict) -> str:
+def render(crd: dict[str, Any]) -> str:
     version = next(v for v in crd["spec"]["versions"] if v.get("storage", True))
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
     root = version["schema"]["openAPIV3Schema"]
@@ -104,14 +106,14 @@ def render(crd: dict) -> str:
              "Defaults are filled in by the API server, so `kubectl get sft NAME -o yaml` shows the whole "
              "effective spec."]
     for top in ("spec", "status"):
-        objs: list[tuple[str, dict]] = []
+        objs: list[tuple[str, dict[str, Any]]] = []
         _objects(top, root["properties"][top], objs)
         for path, schema in objs:
             req = set(schema.get("required", []))
             lines += ["", f"#### `{path}`", ""]
             if schema.get("description"):
                 lines += [_md(schema["description"]), ""]
-            rules = [c for c in _constraints({"x-kubernetes-validations": schema.get("x-kubernetes-validations", [])})]
+            rules = list(_constraints({"x-kubernetes-validations": schema.get("x-kubernetes-validations", [])}))
             if rules:
                 lines += ["Rules: " + "; ".join(rules), ""]
             spec_table = top == "spec"
@@ -122,7 +124,8 @@ def render(crd: dict) -> str:
                 cons = _constraints(sub)
                 if cons:
                     desc += (" " if desc else "") + "*(" + "; ".join(_md(c) for c in cons) + ")*"
-                nested = sub.get("properties") or (sub.get("type") == "array" and sub.get("items", {}).get("properties"))
+                nested = (sub.get("properties")
+                          or (sub.get("type") == "array" and sub.get("items", {}).get("properties")))
                 field = f"`{name}`" + (" (required)" if name in req else "")
                 if nested:
                     field += f" → [`{path}.{name}{'[]' if sub.get('type') == 'array' else ''}`]"
@@ -155,7 +158,7 @@ def render_trainer() -> str:
              "`spec.training` (the operator owns `trainer.output_dir`, `save_freq`, `keep_checkpoints`, "
              "`metrics_port` and `stop_timeout_s`)."]
     for section, field in SFTConfig.model_fields.items():
-        model = field.annotation
+        model = cast("type[BaseModel]", field.annotation)  # every SFTConfig field is a section model
         lines += ["", f"#### `{section}`", ""]
         if model.__doc__:
             lines += [_md(model.__doc__), ""]
@@ -164,7 +167,7 @@ def render_trainer() -> str:
             if f.default is not PydanticUndefined:
                 default = f"`{json.dumps(f.default) if not isinstance(f.default, str) else f.default}`"
             elif f.default_factory is not None:
-                default = f"`{json.dumps(f.default_factory(), default=str)}`"
+                default = f"`{json.dumps(f.get_default(call_default_factory=True), default=str)}`"
             else:
                 default = "(required)"
             ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
@@ -176,7 +179,7 @@ def render_trainer() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _constraint_text(m) -> str:
+def _constraint_text(m: object) -> str:
     for attr, sym in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="), ("min_length", "min length"),
                       ("max_length", "max length")):
         if getattr(m, attr, None) is not None:

@@ -98,14 +98,14 @@ def spec_field(pod_field: str, pod: dict[str, Any], spec: api.SFTJobSpec) -> str
                 return f"spec.resources.env[{users.index(name)}]{env.group(2)} ({name})"
             return f"pod {pod_field}"
         for prefix, target in _CONTAINER_FIELDS:
-            if rest == prefix or rest.startswith(prefix + ".") or rest.startswith(prefix + "["):
+            if rest == prefix or rest.startswith((prefix + ".", prefix + "[")):
                 return target
         return f"pod {pod_field}"
     m = re.match(r"spec\.(.*)$", pod_field)
     if m:
         rest = m.group(1)
         for prefix, target in _POD_FIELDS:
-            if rest == prefix or rest.startswith(prefix + ".") or rest.startswith(prefix + "["):
+            if rest == prefix or rest.startswith((prefix + ".", prefix + "[")):
                 return target + rest[len(prefix):]
     return f"pod {pod_field}" if pod_field else "the pod"
 

@@ -87,7 +87,8 @@ class EnvVar(SpecModel):
         + f", {RESERVED_ENV_PREFIX}*).",
         min_length=1, max_length=253, pattern=ENV_NAME,
         json_schema_extra=rules(cel(
-            "!(self in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV) + f"]) && !self.startsWith('{RESERVED_ENV_PREFIX}')",
+            "!(self in [" + ", ".join(f"'{n}'" for n in RESERVED_ENV)
+            + f"]) && !self.startsWith('{RESERVED_ENV_PREFIX}')",
             "is set by the operator for every trainer pod and cannot be overridden")),
     )
     value: str | None = Field(default=None, description="Variable value (never a credential).", max_length=4096)
@@ -107,8 +108,8 @@ class ScratchSpec(SpecModel):
         default=None, max_length=64,
         description="Scratch space per pod (a quantity, e.g. 200Gi): the emptyDir's sizeLimit and the pod's "
         "ephemeral-storage request, so the scheduler places the pod only where the disk fits. It must hold the "
-        "model (once per pod) and one checkpoint's shards of the pod's ranks (docs/install.md, scratch disk). Empty: no "
-        "limit and no request.",
+        "model (once per pod) and one checkpoint's shards of the pod's ranks (docs/install.md, scratch disk). "
+        "Empty: no limit and no request.",
         json_schema_extra=rules(cel("isQuantity(self) && quantity(self).isGreaterThan(quantity('0'))",
                                     "must be a positive Kubernetes quantity, e.g. 200Gi")),
     )
@@ -177,7 +178,8 @@ class ResourcesSpec(SpecModel):
         default=None, description="Node labels the pods must match.",
         json_schema_extra={"maxProperties": 64, "additionalProperties": {"type": "string", "maxLength": 63}, **rules(
             cel(f"self.all(k, k.size() <= 316 && k.matches(r'{QUALIFIED_NAME}'))",
-                 "every key must be a valid label key ([prefix/]name, name of at most 63 alphanumerics, '-', '_', '.')"),
+                 "every key must be a valid label key "
+                 "([prefix/]name, name of at most 63 alphanumerics, '-', '_', '.')"),
             cel(f"self.all(k, self[k].matches(r'{LABEL_VALUE}'))",
                  "every value must be a valid label value (at most 63 alphanumerics, '-', '_', '.')"))},
     )

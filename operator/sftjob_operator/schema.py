@@ -38,7 +38,7 @@ class SpecModel(BaseModel):
     )
 
 
-def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict:
+def cel(rule: str, message: str, field_path: str | None = None, reason: str | None = None) -> dict[str, Any]:
     """One CEL rule (`x-kubernetes-validations` entry), evaluated by the API server."""
     out: dict[str, Any] = {"rule": rule, "message": message}
     if field_path:
@@ -48,6 +48,6 @@ def cel(rule: str, message: str, field_path: str | None = None, reason: str | No
     return out
 
 
-def rules(*rules: dict) -> dict:
+def rules(*rules: dict[str, Any]) -> dict[str, Any]:
     """Schema keywords attaching CEL rules to a model or field."""
     return {"x-kubernetes-validations": list(rules)}

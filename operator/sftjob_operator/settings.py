@@ -43,4 +43,5 @@ class Settings:
     @property
     def exact_namespaces(self) -> bool:
         """Only exact namespace names (no globs): kopf then needs no namespace scanning."""
-        return bool(self.namespaces) and not any(c in n for n in self.namespaces for c in "*?[")
+        names = self.namespaces or ()
+        return bool(names) and not any(c in n for n in names for c in "*?[")

@@ -16,7 +16,7 @@ Times are strings in the one format the status has always used (`iso`, `parse_ti
 from __future__ import annotations
 
 import copy
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -41,13 +41,16 @@ class StatusModel(BaseModel):
 
 
 
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
 class Condition(StatusModel):
     """A condition in Kubernetes form (metav1.Condition)."""
 
     model_config = ConfigDict(frozen=True)   # replaced whole (conditions.set_condition), never edited
 
     type: str = Field(description="Ready, Running, Restarting, Suspended, Succeeded, Failed, Reconciling or Stalled.")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(description="CamelCase reason, one of the constants in sftjob_operator.conditions.")
     message: str = Field(default="", description="Human-readable detail.")
     last_transition_time: str = Field(description="When status last changed (RFC 3339).")
@@ -59,7 +62,8 @@ class RestartCounts(StatusModel):
 
     failures: int = Field(default=0, description="Restarts after a rank failed (exit 1 or 3..127, OOM-killed, "
                           "hung); spends runPolicy.backoffLimit.")
-    preemptions: int = Field(default=0, description="Restarts after a pod was preempted, evicted, deleted or lost its node.")
+    preemptions: int = Field(default=0,
+                             description="Restarts after a pod was preempted, evicted, deleted or lost its node.")
     total: int = Field(default=0, description="failures + preemptions.")
 
     def count(self, cause: RestartCause) -> None:
@@ -166,7 +170,8 @@ class OutputStatus(StatusModel):
 class SFTJobStatus(StatusModel):
     """Observed state of an SFTJob."""
 
-    phase: Phase | None = Field(default=None, description="Pending, Running, Restarting, Suspended, Succeeded or Failed.")
+    phase: Phase | None = Field(default=None,
+                                description="Pending, Running, Restarting, Suspended, Succeeded or Failed.")
     observed_generation: int | None = Field(default=None, description="The metadata.generation last reconciled.")
     conditions: list[Condition] = Field(default_factory=list, description="Current conditions.")
     restarts: RestartCounts = Field(default_factory=RestartCounts, description="Gang restarts by cause.")
@@ -200,13 +205,13 @@ class SFTJobStatus(StatusModel):
 
 def iso(t: datetime) -> str:
     """A status time: UTC, whole seconds (RFC 3339)."""
-    return t.astimezone(timezone.utc).strftime(TIME_FORMAT)
+    return t.astimezone(UTC).strftime(TIME_FORMAT)
 
 
 def parse_time(s: str | None) -> datetime | None:
     if not s:
         return None
-    return datetime.strptime(s, TIME_FORMAT).replace(tzinfo=timezone.utc)
+    return datetime.strptime(s, TIME_FORMAT).replace(tzinfo=UTC)
 
 
 def observed_time(s: str | None) -> datetime | None:

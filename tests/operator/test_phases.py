@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
 OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "sftjob_operator"
 WORD = re.compile(r'"(Pending|Running|Restarting|Suspended|Succeeded|Failed|Unknown|failure|preemption)"')
 # A named constant or enum member (`RUNNING = "Running"`), or a field's Literal of API values.
-DEFINITION = re.compile(r'^\s*[A-Z][A-Z0-9_]* = "|Literal\[')
+DEFINITION = re.compile(r'^\s*[A-Z][A-Z0-9_]*(: \w+)? = "|Literal\[')  # a constant, typed or not
 
 
 def test_no_raw_phase_or_cause_string_outside_the_enums():

@@ -66,7 +66,8 @@ def make_chats(n: int, seed: int) -> list[dict]:
 
 def corpus() -> list[str]:
     rows = make_rows(3000, seed=12345)
-    return [r["prompt"] + " " + r["response"] for r in rows] + [" ".join(FRUITS + COLORS + COUNTRIES + CITIES + NUMBERS)]
+    return ([r["prompt"] + " " + r["response"] for r in rows]
+            + [" ".join(FRUITS + COLORS + COUNTRIES + CITIES + NUMBERS)])
 
 
 def make_tokenizer(out: Path):

@@ -72,7 +72,8 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     bounds = sequence_bounds(kwargs)
     sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     gqa = query.shape[1] != key.shape[1]

@@ -1,15 +1,16 @@
 """Batches: samples → micro-batches (packed or padded) in a resumable global order.
 
 A global batch is a slice of the dataset's order (`SFTDataset.epoch_order`, or for weighted
-sources `mixing.MixedDataset.epoch_order`, a pure function of seed and epoch) at one global sample cursor; each rank takes its share of it, so a
-checkpoint written by N processes resumes on M processes with the same samples. Packing
+sources `mixing.MixedDataset.epoch_order`, a pure function of seed and epoch) at one global
+sample cursor; each rank takes its share of it, so a checkpoint written by N processes
+resumes on M processes with the same samples. Packing
 groups a rank's samples into rows under a token budget (`token_groups`), and the rows are
 spread over the micro-batches of an accumulation (`split_to`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -72,8 +73,8 @@ def collate(samples: list[Sample], ids: list[int], packing: bool, pad_id: int) -
 class GlobalBatches:
     """The global-cursor schedule: which samples each rank trains on at each step."""
 
-    def __init__(self, dataset: SFTDataset | MixedDataset, cfg: DataConfig, seed: int, rank: int, world: int, pad_id: int,
-                 shard: Callable[[MicroBatch], MicroBatch] | None = None):
+    def __init__(self, dataset: SFTDataset | MixedDataset, cfg: DataConfig, seed: int, rank: int, world: int,
+                 pad_id: int, shard: Callable[[MicroBatch], MicroBatch] | None = None):
         """``rank``/``world``: the data-parallel ones (with sequence parallelism the ranks of an SP
         group share one); ``shard`` cuts this rank's slice out of each micro-batch (ulysses.py)."""
         # With sequence parallelism the batch is split over the SP groups, not the processes.

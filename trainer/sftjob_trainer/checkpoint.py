@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import re
 import shutil
 import time
 import warnings

@@ -122,7 +122,7 @@ def run(cfg) -> int:
         return exits.PREEMPTED
     except TrainerError as err:
         return _fail(err)
-    except Exception as err:  # noqa: BLE001 - every other failure still gets a one-line reason
+    except Exception as err:  # every other failure still gets a one-line reason
         log.exception("training failed")
         return _fail(TrainerError(f"{type(err).__name__}: {err}"))
     finally:

@@ -67,13 +67,13 @@ def _handler(registry, requests: Requests) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             if urlsplit(self.path).path in ("/metrics", "/"):
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             else:
                 self._send(404, b'{"error":"not found"}')
 
-        def do_POST(self) -> None:  # noqa: N802
+        def do_POST(self) -> None:
             url = urlsplit(self.path)
             if url.path != CHECKPOINT_PATH:
                 self._send(404, b'{"error":"not found"}')
@@ -91,7 +91,7 @@ def _handler(registry, requests: Requests) -> type[BaseHTTPRequestHandler]:
                      self.client_address[0], granted)
             self._send(202, json.dumps({"step": requests.step, "holdSeconds": granted}).encode())
 
-        def log_message(self, format, *args) -> None:  # noqa: A002 - quiet: scrapes come every few seconds
+        def log_message(self, format, *args) -> None:  # quiet: scrapes come every few seconds
             pass
 
     return Handler

@@ -115,7 +115,8 @@ class SampleBuilder:
             if not isinstance(value, str):
                 raise InvalidData(f"{where}: column {key!r} must hold strings, got {type(value).__name__}")
         if self.has_template:
-            return self._encode_chat([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], where)
+            return self._encode_chat([{"role": "user", "content": prompt},
+                                      {"role": "assistant", "content": response}], where)
         p = self.tok(prompt, add_special_tokens=True)["input_ids"]
         r = self.tok(response, add_special_tokens=False)["input_ids"] + [self.eos]
         return p + r, [False] * len(p) + [True] * len(r)
@@ -248,8 +249,10 @@ class SFTDataset:
         key, found = None, None
         if self._rank == 0:  # rank 0 alone reads and writes the cache; the others get its answer
             ident = {"v": 1, "files": self.rows.identity(), "columns": self.rows.columns,
-                     "builder": self.builder.identity(), **({"format": self.format} if self.format != "parquet" else {})}
-            key = f"scan-{self.name.replace(' ', '-')}-{hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]}.npz"
+                     "builder": self.builder.identity(),
+                     **({"format": self.format} if self.format != "parquet" else {})}
+            digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+            key = f"scan-{self.name.replace(' ', '-')}-{digest}.npz"
             found = _decode_scan(cache.get(key), self.rows.num_rows)
             if found is not None:
                 log.info("%s data: reusing the token-length scan %s", self.name, key)
@@ -257,7 +260,7 @@ class SFTDataset:
         if found is not None:
             return found
         lengths, stats = self._scan()
-        if self._rank == 0:
+        if self._rank == 0 and key is not None:  # rank 0 always made the key above
             cache.put(key, _encode_scan(lengths, stats))
         return lengths, stats
 

@@ -135,7 +135,8 @@ class JsonlRows:
             raise InvalidData(f"{where}: a JSONL line must be a JSON object, got {type(obj).__name__}")
         missing = [c for c in self.columns if c not in obj]
         if missing:
-            raise InvalidData(f"{where}: missing key(s) {', '.join(missing)} (has: {', '.join(sorted(obj)) or 'none'}); "
+            raise InvalidData(f"{where}: missing key(s) {', '.join(missing)} "
+                              f"(has: {', '.join(sorted(obj)) or 'none'}); "
                               "set the source's prompt_key/response_key or messages_key to the right keys")
         return {c: obj[c] for c in self.columns}
 

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.Popen(build_command(torchrun_args, trainer_args), env=env)
     stopped = []
 
-    def forward(signum, frame):  # noqa: ARG001
+    def forward(signum, frame):
         stopped.append(signum)
         proc.send_signal(signum)
 

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from pathlib import Path
+from http.server import ThreadingHTTPServer
 from typing import Any
 
 from sftjob_contract import metrics as M
@@ -70,7 +71,7 @@ class Metrics:
             self._fh = open(path, "a", buffering=1)
         self._gauges: dict[str, Any] = {}
         self._counters: dict[str, Any] = {}
-        self._server = None
+        self._server: ThreadingHTTPServer | None = None
         self.requests = Requests()   # the operator's "checkpoint now" (control.py), on the same port
         if port:
             self._start_server(port)

@@ -6,6 +6,7 @@ number to continue it exactly.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from sftjob_contract.config import OptimConfig
 
 def build_optimizer(params, cfg: OptimConfig, fused: bool) -> torch.optim.Optimizer:
     params = [p for p in params if p.requires_grad]
-    kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if fused:
         # The fused kernel is the fastest on one device; DTensor parameters take foreach.
         kwargs["fused"] = True

@@ -97,7 +97,8 @@ class ParquetRows:
             missing = [c for c in columns if c not in names]
             if missing:
                 raise InvalidData(
-                    f"{self.fields[fi]} {f}: missing column(s) {', '.join(missing)} (has: {', '.join(sorted(names)) or 'none'}); "
+                    f"{self.fields[fi]} {f}: missing column(s) {', '.join(missing)} "
+                    f"(has: {', '.join(sorted(names)) or 'none'}); "
                     "set data.prompt_key/data.response_key or data.messages_key to the right columns"
                 )
             for rg in range(pf.metadata.num_row_groups):

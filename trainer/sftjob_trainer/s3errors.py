@@ -53,7 +53,7 @@ def _norm(code: str) -> str:
     return code.replace("_", "").upper()
 
 
-def _chain(err: BaseException) -> Iterator[BaseException]:
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
     seen: set[int] = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))

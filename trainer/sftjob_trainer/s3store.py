@@ -6,6 +6,7 @@ permanent (``s3errors``); what ends the run names the spec field the URI came fr
 """
 from __future__ import annotations
 
+import builtins  # `list` is a method of S3Prefix: its annotations say builtins.list
 import contextlib
 import fcntl
 import hashlib
@@ -64,7 +65,8 @@ def confined(dest: Path, name: str) -> Path:
     otherwise be written anywhere the trainer may write."""
     parts = name.split("/")
     target = os.path.normpath(dest / name)
-    if name.startswith("/") or ".." in parts or os.path.commonpath([target, os.path.normpath(dest)]) != os.path.normpath(dest):
+    if (name.startswith("/") or ".." in parts
+            or os.path.commonpath([target, os.path.normpath(dest)]) != os.path.normpath(dest)):
         raise ValueError(name)
     return Path(target)
 
@@ -92,7 +94,8 @@ class S3Prefix:
         # A session of its own: the default one caches the credentials it first resolved, so a
         # later change of AWS_* (a rotated Secret in a test, another store) would go unseen.
         self.client = boto3.session.Session().client("s3", config=Config(
-            retries={"total_max_attempts": min(3, self.attempts), "mode": "standard"}, connect_timeout=5, read_timeout=60))
+            retries={"total_max_attempts": min(3, self.attempts), "mode": "standard"},
+            connect_timeout=5, read_timeout=60))
         self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
         self.scratch = scratch or local_root(self.uri)  # node-local staging for what gets uploaded
 
@@ -137,7 +140,7 @@ class S3Prefix:
                 raise UploadError(f"{self.field}: {what}: deadline passed before attempt {attempt}")
             try:
                 return fn()
-            except Exception as err:  # noqa: BLE001 - botocore raises many kinds
+            except Exception as err:  # botocore raises many kinds
                 if s3errors.is_permanent(err):
                     raise s3errors.classify(err, self.field, self.uri, what) from err
                 left = deadline - time.monotonic()
@@ -147,7 +150,8 @@ class S3Prefix:
                                           f"{s3errors.describe(err)}") from err
                     raise s3errors.classify(err, self.field, self.uri, what, tries=attempt) from err
                 wait = min(s3errors.backoff(attempt), max(left, 0))
-                log.warning("%s: attempt %d failed (%s); retrying in %.1fs", what, attempt, s3errors.describe(err), wait)
+                log.warning("%s: attempt %d failed (%s); retrying in %.1fs", what, attempt, s3errors.describe(err),
+                            wait)
                 time.sleep(wait)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -195,7 +199,7 @@ class S3Prefix:
         def put() -> bool:
             try:
                 self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=body, **condition)
-            except Exception as err:  # noqa: BLE001 - botocore's ClientError, by its status
+            except Exception as err:  # botocore's ClientError, by its status
                 response = getattr(err, "response", None) or {}
                 status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                 code = response.get("Error", {}).get("Code")
@@ -264,7 +268,7 @@ class S3Prefix:
                      time.monotonic() - t0)
         return total, len(todo)
 
-    def download_ranges(self, rel: str, name: str, ranges: list[tuple[int, int]], target: Path) -> int:
+    def download_ranges(self, rel: str, name: str, ranges: builtins.list[tuple[int, int]], target: Path) -> int:
         """The byte ranges [start, end) of object ``rel/name``, written at the same offsets of
         ``target`` (created sparse: what no range covers stays a hole). Returns the bytes read."""
         where = f"{self.uri}/{rel}/{name}"
@@ -307,7 +311,8 @@ class S3Prefix:
         keys = [self.key(f"{rel}/{name}") for name in self.list(rel)]
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True}
-            self._retry(f"delete {self.uri}/{rel}", lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete=b))
+            self._retry(f"delete {self.uri}/{rel}",
+                        lambda b=batch: self.client.delete_objects(Bucket=self.bucket, Delete=b))
 
 
 COMPLETE = ".sftjob-complete"

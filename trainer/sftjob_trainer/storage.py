@@ -16,7 +16,7 @@ import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ContextManager, Protocol
+from typing import Protocol
 
 # The S3 side lives in its own modules (one job each); these names are the storage API.
 from .modelcache import local_model_path
@@ -68,7 +68,7 @@ class Store(Protocol):
         """A conditional write: only if the object is still at ``tag`` (None: only if it
         does not exist); False when it is not. What fencing (fence.py) stands on."""
 
-    def read_dir(self, rel: str, key: str) -> ContextManager[LocalFiles]:
+    def read_dir(self, rel: str, key: str) -> contextlib.AbstractContextManager[LocalFiles]:
         """``rel/``'s files on local disk while the context lasts, each fetched when asked for
         (one copy per node and ``key``, holding what the node's ranks asked for; no copy at
         all for a local store)."""
@@ -134,7 +134,7 @@ class LocalDir:
             return self.root / rel
         return self.scratch / (rel if rank is None else f"rank-{rank}/{rel}")
 
-    def publish_dir(self, staged: Path, rel: str, deadline: float | None = None,  # noqa: ARG002
+    def publish_dir(self, staged: Path, rel: str, deadline: float | None = None,
                     replace: bool = False) -> dict[str, int]:
         target = self.root / rel
         if staged.resolve() == target.resolve():
@@ -150,13 +150,13 @@ class LocalDir:
         shutil.rmtree(staged, ignore_errors=True)
         return published
 
-    def publish_file(self, staged: Path, rel: str, deadline: float | None = None) -> None:  # noqa: ARG002
+    def publish_file(self, staged: Path, rel: str, deadline: float | None = None) -> None:
         target = self.root / rel
         if staged.resolve() != target.resolve():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(staged, target)
 
-    def put_bytes(self, rel: str, body: bytes, deadline: float | None = None) -> None:  # noqa: ARG002
+    def put_bytes(self, rel: str, body: bytes, deadline: float | None = None) -> None:
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, body)
@@ -194,5 +194,13 @@ class LocalDir:
             return True
 
     @contextlib.contextmanager
-    def read_dir(self, rel: str, key: str) -> Iterator[LocalFiles]:  # noqa: ARG002
+    def read_dir(self, rel: str, key: str) -> Iterator[LocalFiles]:
         yield InPlace(self.root / rel)
+
+
+# --------------------------------------------------------------------------- conformance
+
+# Static checks, enforced by mypy (tests/test_lint.py): each implementation is a Store, so a
+# method whose signature drifts from the protocol fails the lint here, not in a run on S3.
+_LOCAL_DIR_IS_A_STORE: type[Store] = LocalDir
+_S3_PREFIX_IS_A_STORE: type[Store] = S3Prefix

@@ -37,7 +37,7 @@ class TensorBoard:
         self.writer = None
         self.local: Path | None = None
 
-    def start(self, run: RunInfo, params: dict[str, str]) -> dict[str, int]:  # noqa: ARG002 - run: one dir per job
+    def start(self, run: RunInfo, params: dict[str, str]) -> dict[str, int]:  # run: one dir per job
         from torch.utils.tensorboard import SummaryWriter
 
         published = self.store.list(DIR)
@@ -65,7 +65,7 @@ class TensorBoard:
         for path in sorted(self.local.glob("events.out.tfevents.*")):
             self.store.publish_file(path, f"{DIR}/{path.name}")
 
-    def finish(self, status: str, output_uri: str | None) -> None:  # noqa: ARG002
+    def finish(self, status: str, output_uri: str | None) -> None:
         if self.writer is None:
             return
         self.commit()

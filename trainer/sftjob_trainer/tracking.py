@@ -140,7 +140,7 @@ class Tracker:
             call = self._calls.get()
             try:
                 call()
-            except Exception:  # noqa: BLE001 - _try catches the backends'; this is a last guard
+            except Exception:  # _try catches the backends'; this is a last guard
                 log.exception("tracking: internal error")
             finally:
                 self._calls.task_done()
@@ -221,7 +221,7 @@ class Tracker:
             fresh = {k: v for k, v in metrics.items() if step > max(held, g.last.get(k, 0)) and math.isfinite(v)}
             if fresh:
                 g.backend.log(step, fresh)
-                g.last.update({k: step for k in fresh})
+                g.last.update(dict.fromkeys(fresh, step))
             g.pending.pop(0)
 
     def _try(self, g: _Guarded, action) -> None:

@@ -61,7 +61,7 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._handle)
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    def _handle(self, signum, frame) -> None:
         if not self.requested:
             self.at = time.monotonic()
             log.warning("SIGTERM: will checkpoint at the next step boundary and exit")
@@ -152,10 +152,11 @@ class Trainer:
                 f"checkpoint step-{step} was trained on different data (fingerprint {saved.data_fingerprint}, now "
                 f"{self.state.data_fingerprint}); use a new output_dir to train on new data"
             )
-        self.state = ckpt.TrainerState(**{**saved.__dict__, "total_steps": self.total_steps, "world_size": self.world.size})
+        self.state = ckpt.TrainerState(**{**saved.__dict__, "total_steps": self.total_steps,
+                                          "world_size": self.world.size})
         self.last_saved = self.last_committed = step
-        log.info("resumed from %s (epoch %d, cursor %d; saved by %d processes, now %d)", self.checkpoints.location(step),
-                 saved.epoch, saved.cursor, saved.world_size, self.world.size)
+        log.info("resumed from %s (epoch %d, cursor %d; saved by %d processes, now %d)",
+                 self.checkpoints.location(step), saved.epoch, saved.cursor, saved.world_size, self.world.size)
 
     def save(self, final: bool = False, until: float | None = None) -> None:
         """Checkpoint the current step; ``final`` also waits until it is committed.
@@ -216,7 +217,7 @@ class Trainer:
             self.save(final=True)  # a preemption during validation/export resumes straight into them
         except TrainerError:
             raise
-        except Exception as err:  # noqa: BLE001 - a transient cause: name what to check
+        except Exception as err:  # a transient cause: name what to check
             raise CheckpointFailed(f"the final checkpoint step-{self.state.step} was not committed to "
                                    f"spec.storage.uri ({self.checkpoints.store.uri}): {err}") from err
         if self.val_ds is not None and self.state.val_step != self.state.step:
@@ -263,7 +264,7 @@ class Trainer:
         until = start + budget - min(10.0, 0.1 * budget)  # leave time to exit
         try:
             self.save(final=True, until=until)
-        except Exception as err:  # noqa: BLE001 - still a preemption: what was committed before stays
+        except Exception as err:  # still a preemption: what was committed before stays
             if isinstance(err, TrainerError) and err.exit_code == exits.PERMANENT:
                 raise  # the store refuses writes: a restart would only meet that again
             log.error("stop checkpoint step-%d NOT committed: %s", self.state.step, err)
@@ -313,7 +314,8 @@ class Trainer:
         self.metrics.record(**row)
         self.tracking.log(self.state.step, row)
         self.metrics.count(tokens=int(n_tokens), skipped=int(skipped))
-        if self.world.is_main and (self.state.step % self.cfg.trainer.log_freq == 0 or self.state.step == self.total_steps):
+        if self.world.is_main and (self.state.step % self.cfg.trainer.log_freq == 0
+                                   or self.state.step == self.total_steps):
             log.info("step %d/%d loss %.4f lr %.3g grad_norm %.3f tokens/s %.0f", self.state.step, self.total_steps,
                      loss, lr, grad_norm, row["tokens_per_s"])
         limit = self.cfg.trainer.max_non_finite_steps

@@ -11,10 +11,12 @@ from torch import nn
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The model itself, or the base model a peft wrapper holds."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    get_base_model = getattr(model, "get_base_model", None)  # nn.Module's __getattr__ says Tensor | Module
+    return get_base_model() if get_base_model is not None else model
 
 
 def output_head(model: nn.Module) -> nn.Module | None:
     """The LM head (output embeddings) of ``model``, whatever wraps it; None if it has none."""
     inner = unwrap(model)
-    return inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    get_output_embeddings = getattr(inner, "get_output_embeddings", None)
+    return get_output_embeddings() if get_output_embeddings is not None else None
