@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: help install test test-unit demo clean
+.PHONY: help install lint-install lint test test-unit demo clean
 
 help: ## List the make targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk -F':.*?## ' '{printf "  \033[1m%-18s\033[0m %s\n", $$1, $$2}'
@@ -24,12 +24,23 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed ## Create/update .venv with the trainer, operator and dev dependencies
 
+# ruff and mypy, pinned apart from pyproject.toml (whose content keys the trainer image's layers).
+$(VENV)/.lint-installed: requirements-lint.txt $(VENV)/.installed
+	$(PY) -m pip install -q -r requirements-lint.txt
+	@touch $@
+
+lint-install: $(VENV)/.lint-installed ## Install ruff, mypy and the stubs (requirements-lint.txt) into .venv
+
+lint: lint-install ## Run ruff and mypy
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/mypy
+
 # The cluster tests need every binary, Kueue's included; they build while the venv installs.
 test: PREPARE = k8s etcd helm minio kwok coredns kueue
-test: cluster-prepare install checkov-install ## Run the whole test suite (unit, distributed, cluster)
+test: cluster-prepare install checkov-install lint-install ## Run the whole test suite (unit, distributed, cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test-unit: install checkov-install ## Run only the fast tests (no torchrun, no cluster)
+test-unit: install checkov-install lint-install ## Run only the fast tests (no torchrun, no cluster)
 	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)
 
 -include hack/cluster.mk
