@@ -206,7 +206,7 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
     by = {}
     for r in results:
         by.setdefault((r["contender"], r["precision"]), []).append(r)
-    med = lambda key, rs: statistics.median(r[key] for r in rs)  # noqa: E731
+    med = lambda key, rs: statistics.median(r[key] for r in rs)  # noqa: E731 - a one-line helper for the table below
     lines = [
         f"peak (matmul_peak.py): fp32 {peak['peak_gflops_fp32']:.0f} GFLOP/s, "
         f"bf16 {peak['peak_gflops_bf16']:.0f} GFLOP/s, {peak['threads']} threads",

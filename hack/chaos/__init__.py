@@ -10,4 +10,4 @@ checkpoint may be lost; the job's restart counters must equal the faults injecte
 See hack/chaos/run.py for the flow (harness.py, runner.py and report.py hold its steps) and
 hack/chaos/faults.py for each fault.
 """
-from .faults import KINDS  # noqa: F401
+from .faults import KINDS  # noqa: F401 - re-exported: the package's fault kinds

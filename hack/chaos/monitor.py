@@ -127,7 +127,7 @@ class Monitor(threading.Thread):
                     self._node_lost_now.add(node)
                 elif not lost:
                     self._node_lost_now.discard(node)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a missed node sample is taken again next poll
             pass
 
     def stop(self) -> None:

@@ -102,7 +102,7 @@ def short(target: str) -> str:
 
 def table(rows: list[list[str]], header: list[str]) -> list[str]:
     w = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    fmt = lambda r: "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)).rstrip()  # noqa: E731
+    fmt = lambda r: "  ".join(str(c).ljust(w[i]) for i, c in enumerate(r)).rstrip()  # noqa: E731 - a one-line row formatter
     return [fmt(header), fmt(["-" * x for x in w])] + [fmt(r) for r in rows]
 
 

@@ -8,9 +8,9 @@
 
 CLI: python -m hack.localcluster {up,down,status,env,node-lost,node-restore,logs}
 """
-from .cluster import down, is_up, kubeconfig_path, leftover_processes, prepare, status, up  # noqa: F401
-from .credentials import env  # noqa: F401
-from .config import ClusterConfig, bin_dir, load  # noqa: F401
-from .kueue import kueue_down, kueue_up  # noqa: F401
-from .kwok import kwok_down, kwok_up  # noqa: F401
-from .nodes import node_lost, node_restore, pod_log  # noqa: F401
+from .cluster import down, is_up, kubeconfig_path, leftover_processes, prepare, status, up  # noqa: F401 - re-exported API
+from .credentials import env  # noqa: F401 - re-exported API
+from .config import ClusterConfig, bin_dir, load  # noqa: F401 - re-exported API
+from .kueue import kueue_down, kueue_up  # noqa: F401 - re-exported API
+from .kwok import kwok_down, kwok_up  # noqa: F401 - re-exported API
+from .nodes import node_lost, node_restore, pod_log  # noqa: F401 - re-exported API

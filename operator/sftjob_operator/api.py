@@ -51,7 +51,7 @@ def _derive(source: type[BaseModel], *, include: list[str] | None = None, exclud
             info.default = info.get_default(call_default_factory=True)
             info.default_factory = None
         if extra and name in extra:
-            info.json_schema_extra = {**(info.json_schema_extra or {}), **extra[name]}  # type: ignore[dict-item]
+            info.json_schema_extra = {**(info.json_schema_extra or {}), **extra[name]}  # type: ignore[dict-item]  # pydantic's JsonDict
         out[name] = (info.annotation, info)
     return out
 
@@ -68,24 +68,24 @@ def _camel_text(text: str | None) -> str | None:
     return _SNAKE.sub(lambda m: to_camel(m.group(0)) if m.group(0) in _TRAINER_KEYS else m.group(0), text)
 
 
-_ModelBase = create_model(  # type: ignore[call-overload]
+_ModelBase = create_model(  # type: ignore[call-overload]  # fields built at import
     "_ModelBase", __base__=SpecModel,
     **_derive(ModelConfig, extra={"path": rules(cel(URI_RULE, URI_MESSAGE))}),
 )
 
 
-class ModelSpec(_ModelBase):  # type: ignore[misc,valid-type]
+class ModelSpec(_ModelBase):  # type: ignore[misc,valid-type]  # a create_model base
     """The base model to fine-tune (the trainer's `model` section). Immutable once created."""
 
 
 _uri_items = {"items": {"type": "string", "maxLength": 1024,
                          **rules(cel(URI_RULE, "every file " + URI_MESSAGE))}}
-_SourceBase = create_model(  # type: ignore[call-overload]
+_SourceBase = create_model(  # type: ignore[call-overload]  # fields built at import
     "_SourceBase", __base__=SpecModel, **_derive(DataSource, extra={"files": _uri_items}),
 )
 
 
-class SourceSpec(_SourceBase):  # type: ignore[misc,valid-type]
+class SourceSpec(_SourceBase):  # type: ignore[misc,valid-type]  # a create_model base
     """One weighted training source (the trainer's `data.sources[i]`)."""
 
 
@@ -97,10 +97,10 @@ def _data_fields() -> dict[str, tuple[Any, Any]]:
     return fields
 
 
-_DataBase = create_model("_DataBase", __base__=SpecModel, **_data_fields())  # type: ignore[call-overload]
+_DataBase = create_model("_DataBase", __base__=SpecModel, **_data_fields())  # type: ignore[call-overload]  # fields built at import
 
 
-class DataSpec(_DataBase):  # type: ignore[misc,valid-type]
+class DataSpec(_DataBase):  # type: ignore[misc,valid-type]  # a create_model base
     """Training data, tokenization and batching (the trainer's `data` section). Immutable."""
 
     model_config = ConfigDict(json_schema_extra=rules(
@@ -117,20 +117,20 @@ class DataSpec(_DataBase):  # type: ignore[misc,valid-type]
     ))
 
 
-_OptimBase = create_model("_OptimBase", __base__=SpecModel, **_derive(OptimConfig))  # type: ignore[call-overload]
+_OptimBase = create_model("_OptimBase", __base__=SpecModel, **_derive(OptimConfig))  # type: ignore[call-overload]  # fields built at import
 
 
-class OptimSpec(_OptimBase):  # type: ignore[misc,valid-type]
+class OptimSpec(_OptimBase):  # type: ignore[misc,valid-type]  # a create_model base
     """AdamW and its learning-rate schedule (the trainer's `optim` section)."""
 
 
 # merge_on_export is spec.output.mergeLora: where the model goes is the output's business.
-_LoraBase = create_model(  # type: ignore[call-overload]
+_LoraBase = create_model(  # type: ignore[call-overload]  # fields built at import
     "_LoraBase", __base__=SpecModel, **_derive(LoraConfig, exclude=("merge_on_export",))
 )
 
 
-class LoraSpec(_LoraBase):  # type: ignore[misc,valid-type]
+class LoraSpec(_LoraBase):  # type: ignore[misc,valid-type]  # a create_model base
     """LoRA adapters (the trainer's `lora` section); rank 0 means a full fine-tune."""
 
 
@@ -141,7 +141,7 @@ class LoraSpec(_LoraBase):  # type: ignore[misc,valid-type]
 OPERATOR_OWNED_TRAINER_FIELDS = ("output_dir", "save_freq", "save_interval_s", "keep_checkpoints", "metrics_port",
                                  "stop_timeout_s", "export")
 TRAINING_RUN_FIELDS = [n for n in TrainerConfig.model_fields if n not in OPERATOR_OWNED_TRAINER_FIELDS]
-_TrainingBase = create_model(  # type: ignore[call-overload]
+_TrainingBase = create_model(  # type: ignore[call-overload]  # fields built at import
     "_TrainingBase", __base__=SpecModel,
     # Plain (frozen) defaults rather than factories: the CRD then says `default: {}`, so the
     # API server fills in the section and its defaults when a spec leaves it out.
@@ -151,7 +151,7 @@ _TrainingBase = create_model(  # type: ignore[call-overload]
 )
 
 
-class TrainingSpec(_TrainingBase):  # type: ignore[misc,valid-type]
+class TrainingSpec(_TrainingBase):  # type: ignore[misc,valid-type]  # a create_model base
     """How to train: run length, optimizer, LoRA, precision, seed. Immutable once created."""
 
 
@@ -252,10 +252,10 @@ class OutputSpec(SpecModel):
 
 _MLFLOW_URI = rules(cel(f"self.matches(r'{HTTP_URI}')", "tracking.mlflow.trackingUri must be an http:// or https:// "
                         "URL with a host, e.g. http://mlflow.mlflow:5000"))
-MlflowSpec = create_model(  # type: ignore[call-overload]
+MlflowSpec = create_model(  # type: ignore[call-overload]  # fields built at import
     "MlflowSpec", __base__=SpecModel, __doc__=MlflowConfig.__doc__,
     **_derive(MlflowConfig, extra={"tracking_uri": _MLFLOW_URI}))
-WandbSpec = create_model(  # type: ignore[call-overload]
+WandbSpec = create_model(  # type: ignore[call-overload]  # fields built at import
     "WandbSpec", __base__=SpecModel, __doc__=WandbConfig.__doc__, **_derive(WandbConfig))
 
 
@@ -263,9 +263,9 @@ class TrackingSpec(SpecModel):
     """Experiment tracking (the trainer's `tracking` section): TensorBoard, MLflow, W&B. Immutable."""
 
     tensorboard: bool = Field(default=False, description=TrackingConfig.model_fields["tensorboard"].description)
-    mlflow: MlflowSpec | None = Field(  # type: ignore[valid-type]
+    mlflow: MlflowSpec | None = Field(  # type: ignore[valid-type]  # made by create_model
         default=None, description=TrackingConfig.model_fields["mlflow"].description)
-    wandb: WandbSpec | None = Field(  # type: ignore[valid-type]
+    wandb: WandbSpec | None = Field(  # type: ignore[valid-type]  # made by create_model
         default=None, description=TrackingConfig.model_fields["wandb"].description)
 
 

@@ -198,7 +198,7 @@ async def _scheduler(rt: Runtime) -> None:
             last_resync = now
             try:
                 await resync(rt)
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:  # noqa: BLE001 - the next resync tries again
                 log.warning("resync failed: %s", err)
         await asyncio.sleep(TICK_S)
 

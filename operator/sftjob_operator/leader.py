@@ -114,7 +114,7 @@ def _exit_lost(reason: str) -> None:
     for h in logging.getLogger().handlers + log.handlers:
         try:
             h.flush()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - exiting anyway: flushing is best effort
             pass
     sys.stderr.flush()
     os._exit(EXIT_LEASE_LOST)

@@ -325,7 +325,7 @@ class _Pass:
     def waiting_in_queue(self) -> None:
         """Gated by Kueue: no startup deadline runs (it starts at admission, since waiting
         for quota held by other teams is not a failure to start), and the job says so."""
-        message = c.get_condition(self.st.conditions, queueing.ADMITTED).message  # type: ignore[union-attr]
+        message = c.get_condition(self.st.conditions, queueing.ADMITTED).message  # type: ignore[union-attr]  # queued: track_admission set it
         if self.st.phase == Phase.PENDING:
             if self.reason_changed_to(queueing.REASON_QUEUED):
                 self.event("Normal", queueing.REASON_QUEUED, message)

@@ -56,7 +56,7 @@ def live(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def diagnose(cluster, ns: str, name: str, op: OperatorProcess) -> str:
     try:
         st = json.dumps(get_job(cluster, ns, name).get("status"), indent=1)[-3000:]
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:  # noqa: BLE001 - shown in the diagnosis instead
         st = repr(err)
     logs = "".join(f"\n--- {p['metadata']['name']}:\n{cluster.pod_log(ns, p['metadata']['name'])[-1500:]}"
                    for p in pods_of(cluster, ns, name))
@@ -131,7 +131,7 @@ class Chaos(threading.Thread):
                 self.kills += 1
                 time.sleep(self.rng.uniform(0.0, 2.0))
                 self.op.start()
-        except BaseException as err:  # noqa: BLE001
+        except BaseException as err:  # noqa: BLE001 - handed to the test thread
             self.error = err
 
     def stop(self) -> None:

@@ -216,7 +216,7 @@ def test_rank_slices_cover_the_global_batch(assets, tok):
     ds = SFTDataset([f], SampleBuilder(tok, c), "train")
     one = GlobalBatches(ds, c, 3, 0, 1, 0).step_batches(0, 16)
     two = [GlobalBatches(ds, c, 3, r, 2, 0).step_batches(0, 16) for r in range(2)]
-    ids = lambda mbs: [i for mb in mbs for i in mb.sample_ids]  # noqa: E731
+    ids = lambda mbs: [i for mb in mbs for i in mb.sample_ids]  # noqa: E731 - a one-line helper
     assert ids(one) == ids(two[0]) + ids(two[1])
 
 

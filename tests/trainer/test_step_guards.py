@@ -52,7 +52,7 @@ def test_a_non_finite_step_is_skipped_leaving_weights_and_optimizer_state_unchan
     out, port = tmp_path / "out", runner.free_port()
     after: list[dict[str, torch.Tensor]] = []  # the weights after each optimizer step
     entered: list[dict[str, torch.Tensor]] = []  # the weights each optimizer step started from
-    snapshot = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
+    snapshot = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731 - a one-line helper
     with inproc.trainer(runner.base_args(assets, out, **{
             "model.path": model, "data.train_files": data, "data.shuffle": False, "trainer.total_training_steps": 3,
             "trainer.max_non_finite_steps": 0, "trainer.metrics_port": port})) as trainer:

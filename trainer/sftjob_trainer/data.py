@@ -167,7 +167,7 @@ class ScanStats:
     dropped_no_target: int
 
     def describe(self, name: str) -> str:
-        pct = lambda n: 100.0 * n / max(self.rows, 1)  # noqa: E731
+        pct = lambda n: 100.0 * n / max(self.rows, 1)  # noqa: E731 - a one-line helper for the log line
         return (
             f"{name}: {self.rows} rows, {self.usable} usable; truncated {self.truncated} ({pct(self.truncated):.1f}%), "
             f"dropped (no trainable token) {self.dropped_no_target} ({pct(self.dropped_no_target):.1f}%)"

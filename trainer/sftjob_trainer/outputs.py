@@ -53,7 +53,7 @@ class Outputs:
     def put(self, name: str, data: bytes) -> None:
         try:
             self.store.put_bytes(f"{CACHE}/{name}", data)
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - the cache is only a shortcut
             log.warning("cannot write %s/%s (%s); the next start scans the data again", CACHE, name, err)
 
     # metrics.jsonl: appended locally by rank 0, published after each checkpoint and at the end.

@@ -87,7 +87,7 @@ def shard_micro_batch(mb: MicroBatch, sp_rank: int, sp: int, pad_id: int) -> Mic
     rows, width = mb.input_ids.shape
     extra = -width % sp
     real = mb.attention_mask.bool() if mb.attention_mask is not None else torch.ones(rows, width, dtype=torch.bool)
-    pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
+    pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731 - a one-line helper
     ids, targets, real = pad(mb.input_ids, pad_id), pad(mb.targets, IGNORE), pad(real, False)
     if mb.attention_mask is None:  # packed: positions restart per sequence; the padding is one more
         lengths = list(mb.seq_lengths) + ([extra] if extra else [])

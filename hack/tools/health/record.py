@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[3]
 TESTDATA = REPO / "integrations" / "argocd" / "resource_customizations" / "sftjob.io" / "SFTJob" / "testdata"
 sys.path.insert(0, str(REPO))
 
-from sftjob_operator import reconcile  # noqa: E402
+from sftjob_operator import reconcile  # noqa: E402 - after the sys.path insert above
 
-from tests.operator.op_testkit import apply, at, job_body, running_job, terminated  # noqa: E402
+from tests.operator.op_testkit import apply, at, job_body, running_job, terminated  # noqa: E402 - after the sys.path insert
 
 METRICS = {"step": 7, "totalSteps": 20, "loss": 1.23456, "tokensPerSecond": 999.44, "lastCheckpointStep": 5}
 
