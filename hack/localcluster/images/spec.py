@@ -67,10 +67,14 @@ class Bud:
 _BASE_IMAGE, _BASE_TAG = BASE_REF.rsplit(":", 1)
 BUDS = {
     "operator": Bud("images/operator/Dockerfile", {"BASE_IMAGE": _BASE_IMAGE, "BASE_TAG": _BASE_TAG}),
-    # The CPU/local variant: both stages on the base, no flash-attn (so no nvcc).
+    # The CPU/local variant: both stages on the base, no flash-attn (so no nvcc), and the stage
+    # that installed the requirements as the runtime's parent (RUNTIME_FLAVOR: no venv copy).
+    # RUNTIME_FLAVOR is always passed: buildah 1.28 does not resolve an ARG's default that names
+    # a stage ("runtime-gpu: image not known").
     "trainer": Bud("images/trainer/Dockerfile",
                    {"BUILD_IMAGE": _BASE_IMAGE, "BUILD_TAG": _BASE_TAG, "RUNTIME_IMAGE": _BASE_IMAGE,
-                    "RUNTIME_TAG": _BASE_TAG, "FLASH_ATTN_VERSION": "", "LIGER_KERNEL_VERSION": ""}),
+                    "RUNTIME_TAG": _BASE_TAG, "FLASH_ATTN_VERSION": "", "LIGER_KERNEL_VERSION": "",
+                    "RUNTIME_FLAVOR": "runtime-cpu"}),
 }
 
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
