@@ -1,4 +1,7 @@
-"""python -m hack.localcluster {up [--kueue],beat --what TEXT [--venv DIR] -- COMMAND...,prepare [--background LOG] [--no-heartbeat] [COMPONENT ...],down,status,env,node-lost NODE [--delete-pods],node-restore NODE,logs NS POD [CONTAINER],kwok-up,kwok-down,kueue-up,kueue-down}"""
+"""python -m hack.localcluster COMMAND: up [--kueue]; beat --what TEXT [--venv DIR] -- COMMAND...;
+prepare [--background LOG] [--no-heartbeat] [COMPONENT ...]; down; status; env;
+node-lost NODE [--delete-pods]; node-restore NODE; logs NS POD [CONTAINER]; kwok-up; kwok-down;
+kueue-up; kueue-down."""
 import argparse
 import sys
 from pathlib import Path
@@ -63,7 +66,8 @@ def main() -> int:
             print(f"{name:26s} {'ok' if ok else 'DOWN'}")
         cfg = cluster.C.load()
         if all(st.values()):
-            print(f"kubeconfig: {cfg.kubeconfig}\nenv:        {cfg.env_file}\nlogs:       {cfg.logs}/<component>.log; pods: kubectl logs")
+            print(f"kubeconfig: {cfg.kubeconfig}\nenv:        {cfg.env_file}\n"
+                  f"logs:       {cfg.logs}/<component>.log; pods: kubectl logs")
         return 0 if all(st.values()) else 1
     elif a.cmd == "env":
         print(cluster.C.load().env_file.read_text(), end="")

@@ -19,7 +19,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from . import credentials, heartbeat, images, proc
 from . import config as C
@@ -225,8 +225,10 @@ def _load_images(cfg: C.ClusterConfig, nodes, clean: bool = False,
     nodes = list(nodes)
     t0 = time.time()
     # a cold trainer image takes minutes to import: never silent meanwhile either
-    text = (lambda: f"starting the cluster: importing the images {', '.join(cfg.node_images)} into "
-                    f"{', '.join(cfg.nodes[i] for i in nodes)} ({heartbeat.duration(time.time() - t0)} so far)")
+    def text() -> str:
+        return (f"starting the cluster: importing the images {', '.join(cfg.node_images)} into "
+                f"{', '.join(cfg.nodes[i] for i in nodes)} ({heartbeat.duration(time.time() - t0)} so far)")
+
     with heartbeat.beating(text, say), ThreadPoolExecutor(max(1, len(nodes)), thread_name_prefix="load") as pool:
         for f in [pool.submit(one, i) for i in nodes]:
             f.result()

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from . import config as C
 from . import images
@@ -196,13 +196,13 @@ def beating(text: Callable[[], str], say: Callable[[str], None] | None = None,
         while not stop.wait(every):
             try:
                 msg = text()
-            except Exception as e:  # the state is read while it changes under us
+            except Exception as e:  # noqa: BLE001 - the state is read while it changes under us
                 msg = f"preparing the cluster ({duration(time.time() - t0)} so far; state unreadable: {e})"
             if stop.is_set():
                 return
             try:
                 say(msg)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a broken console must not fail the wait it reports on
                 pass
 
     thread = threading.Thread(target=run, name="heartbeat", daemon=True)

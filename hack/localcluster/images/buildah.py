@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import tarfile
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from .keys import apt_sources
 from .spec import (BASE_CONFIG, BUDS, HOST_CA_BUNDLE, MMDEBSTRAP_OPTS, PAUSE_CFLAGS, PAUSE_CONFIG, PAUSE_SOURCE, ROOT,

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from .buildah import (archive_image_id, build_base, build_bud, build_pause, buildah_env, drop_previous_build,
                       ensure_in_storage)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from .cache import build, status
 from .containerd import load

@@ -17,7 +17,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from .cache import build
 from .spec import NODE_IMAGES, ImageRef, ImagesError
@@ -54,8 +54,9 @@ def _archive_layers(archive: Path) -> tuple[bytes, list[tuple[str, tarfile.TarIn
     """The config (bytes) and the layers (digest, tar member) of the docker-archive's image.
     c/image names a docker-archive's layers by their digest (uncompressed: the diff ID)."""
     with tarfile.open(archive) as src:
-        entry = json.load(src.extractfile("manifest.json"))[0]  # type: ignore[arg-type]
-        config = src.extractfile(entry["Config"]).read()  # type: ignore[union-attr]
+        # extractfile is None only for a non-file member; c/image writes both as regular files
+        entry = json.load(src.extractfile("manifest.json"))[0]  # type: ignore[arg-type]  # see above
+        config = src.extractfile(entry["Config"]).read()  # type: ignore[union-attr]  # see above
         return config, [("sha256:" + name.removesuffix(".tar"), src.getmember(name)) for name in entry["Layers"]]
 
 

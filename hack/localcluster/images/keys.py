@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from .context import context_files
 from .spec import (BASE_CONFIG, BUDS, MMDEBSTRAP_OPTS, NAMES, PAUSE_CFLAGS, PAUSE_CONFIG, PAUSE_SOURCE, RECIPE, ROOT,

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import re
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 ROOT = Path(__file__).resolve().parents[3]
 NAMES = ("base", "pause", "operator", "trainer")
@@ -101,7 +101,7 @@ class ImageRef:
         return {**dataclasses.asdict(self), "archive": str(self.archive)}
 
     @classmethod
-    def from_json(cls, data: dict) -> "ImageRef":
+    def from_json(cls, data: dict) -> ImageRef:
         return cls(**{**data, "archive": Path(data["archive"])})
 
 
