@@ -24,8 +24,8 @@ def stage_cluster(ctx: Ctx) -> None:
     out.say(f"venv: {sys.prefix} (python {sys.version.split()[0]})")
     cache = localcluster.bin_dir("k8s").parent.parent
     missing = [c for c in BINARIES if not (localcluster.bin_dir(c).parent / ".built").exists()]
-    out.say("Go-built binaries: " + (f"building {' '.join(missing)} into {cache}"
-                                     " (cold: about 28 min on 2 cores, see hack/README.md)" if missing else
+    cold = " (cold on 2 cores: about 23 min, beside the images; docs/development.md#cold-start)"
+    out.say("Go-built binaries: " + (f"building {' '.join(missing)} into {cache}{cold}" if missing else
                                      f"cached in {cache}"))
     t = time.time()
     ctx.cfg = localcluster.up(say=out.say)  # a cold build is half an hour: a line every 30 s meanwhile
