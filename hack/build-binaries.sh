@@ -311,8 +311,16 @@ done
 # cold `make demo` while the cluster waited for this lock. The directory is renamed, the lock
 # released (the binaries are complete), and the files removed in the background (the module
 # files are read-only, hence the chmod); what a killed removal leaves goes at the next build.
-trash="$CACHE/.go.removing.$$"
-mv "$CACHE/.go" "$trash"
+# The rename happens under the lock (the next build makes a new .go), the removal after it is
+# released (the child must not inherit the lock's descriptor). Nothing to remove when every
+# component was built by whoever held the lock before us.
+trash=""
+if [[ -d "$CACHE/.go" ]]; then
+  trash="$CACHE/.go.removing.$$"
+  mv "$CACHE/.go" "$trash"
+fi
 exec 9>&-
-nohup bash -c 'chmod -R u+w "$1" && rm -rf "$1"' _ "$trash" >/dev/null 2>&1 &
-log "removing Go's module and build caches in the background ($trash)"
+if [[ -n "$trash" ]]; then
+  nohup bash -c 'chmod -R u+w "$1" && rm -rf "$1"' _ "$trash" >/dev/null 2>&1 &
+  log "removing Go's module and build caches in the background ($trash)"
+fi

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from . import credentials, heartbeat, images, proc
 from . import config as C
 from . import realnodes as R
-from .components import command, components, fingerprint, healthy, start, wait
+from .components import command, components, fingerprint, healthy, refuse_taken_ports, start, wait
 from .kube import ApiError, Kube
 from .proc import log, sh
 
@@ -147,6 +147,12 @@ def _nodes_early(cfg: C.ClusterConfig, timeout: float, say: Callable[[str], None
         if all(st.values()):
             return
         sec = _host_state(cfg)
+        # A port another process holds is refused before anything starts, as `_up` would refuse
+        # it: a refused `up` must not leave the nodes' containerds behind. (After _host_state:
+        # some components listen on the bridge's address.)
+        for name in components(cfg):
+            if not st.get(name) and not proc.alive(proc.read_pid(cfg, name), proc.marker(cfg, name)):
+                refuse_taken_ports(cfg, name)
         nodes = [R.node_index(n) for n in components(cfg) if n.startswith("kubelet-") and not st.get(n)]
         for i in nodes:
             name = f"containerd-{i}"

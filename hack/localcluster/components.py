@@ -72,7 +72,7 @@ def _ports(cfg: C.ClusterConfig, name: str) -> list[tuple[str, int, int]]:
     }.get(name, [])
 
 
-def _check_ports(cfg: C.ClusterConfig, name: str) -> None:
+def refuse_taken_ports(cfg: C.ClusterConfig, name: str) -> None:
     """Refuse to start a component whose port is taken. Otherwise it would die at once and, worse,
     its clients would talk to whatever holds the port (an API server writing into someone
     else's etcd, say)."""
@@ -93,7 +93,7 @@ def start(cfg: C.ClusterConfig, name: str, argv: list[str], env: dict | None = N
     skips the free-port check (a just-stopped MinIO's connections linger in TIME_WAIT, which a
     plain bind() test mistakes for a taken port, while MinIO itself binds with SO_REUSEADDR)."""
     if check_ports:
-        _check_ports(cfg, name)
+        refuse_taken_ports(cfg, name)
     pid = proc.spawn(cfg, name, argv, env)
     (cfg.pids / f"{name}.config").write_text(fingerprint(cfg, name, argv))
     log(f"started {name} (pid {pid}, log {cfg.logs / f'{name}.log'})")
