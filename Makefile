@@ -56,5 +56,5 @@ clean: ## Remove local run outputs (.demo, caches); keeps .venv and the binary c
 	rm -rf .demo .pytest_cache
 
 train-local: install ## Train the tiny model on this machine only (2 processes, no cluster); prints where the model went
-	$(PY) -m sftjob_trainer.assets .demo/assets
+	$(PY) -m tools.assets .demo/assets
 	OMP_NUM_THREADS=1 $(PY) -m sftjob_trainer.launch --standalone --nproc-per-node=2 -- --config examples/trainer-local.yaml

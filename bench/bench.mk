@@ -7,8 +7,9 @@ STEPS ?= 20
 CONTENDERS ?= ours,trl_padded,trl_packed,plain_padfree
 PRECISIONS ?= fp32,bf16
 
-GPU_CHECK_ARGS ?=
+# `make gpu-check` runs tests/gpu with pytest: GPU_CHECK_ARGS adds pytest's options (e.g. -k offload).
 # GPU_CHECK_SKIP=1: exit 0 on a machine without CUDA (by default that is a loud failure).
+GPU_CHECK_ARGS ?=
 GPU_CHECK_SKIP ?=
 
 .PHONY: bench bench-gpu gpu-check
@@ -19,5 +20,5 @@ bench: install ## Our trainer vs TRL and a plain loop on the CPU bench: tokens/s
 bench-gpu: install ## Our trainer on one GPU, 0.5B Qwen2-shaped model, bf16: tokens/s and MFU (fails without CUDA)
 	$(PY) -m bench.bench_gpu $(BENCH_ARGS)
 
-gpu-check: install ## On a CUDA machine (<8 min): bf16 train+resume, flash-attn vs sdpa, bench-gpu, image import (fails without CUDA)
-	$(PY) -m bench.gpu_check $(if $(GPU_CHECK_SKIP),--allow-no-gpu) $(GPU_CHECK_ARGS)
+gpu-check: install ## On a CUDA machine (<8 min): tests/gpu (bf16 train+resume, flash-attn vs sdpa, offload, liger, bench-gpu, image import); exit 2 without CUDA
+	GPU_CHECK_SKIP=$(GPU_CHECK_SKIP) $(PY) -m pytest tests/gpu -m gpu -rA -p no:cacheprovider $(GPU_CHECK_ARGS)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,8 +106,7 @@ def main() -> int:
         print(proc.stdout[-4000:] + proc.stderr[-4000:])
         print(f"bench-gpu: our trainer failed (exit {proc.returncode})")
         return 1
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = {r["step"]: r for r in rows if "loss" in r}
+    steps = {r["step"]: r for r in outputs.step_rows(out)}
     last = max(steps)
     timed = [steps[s] for s in range(args.warmup + 1, last + 1)]
     seconds = steps[last]["time"] - steps[args.warmup]["time"]
@@ -119,8 +119,7 @@ def main() -> int:
     print(f"tokens_per_s={tokens / seconds:.0f} mfu={flops / seconds / (args.peak_tflops * 1e12):.1%} "
           f"(vs {args.peak_tflops:.0f} TFLOP/s) loss={steps[last]['loss']:.4f} "
           f"wall={time.time() - t0:.0f}s")
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    shutil.rmtree(out / "hf", ignore_errors=True)
+    outputs.drop_checkpoints_and_exports(out)
     return 0
 
 

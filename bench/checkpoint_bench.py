@@ -29,7 +29,7 @@ def make_model(out: Path, params_m: int, assets: Path) -> None:
     """The assets' Llama shape (assets.make_model), widened and deepened to ~params_m million."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sftjob_trainer.assets import make_model as make_llama
+    from tools.assets import make_model as make_llama
 
     tok = AutoTokenizer.from_pretrained(assets / "model")
     hidden = 1024 if params_m >= 200 else 256
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--logs", type=Path, help="also keep the trainer's logs in this directory")
     a = ap.parse_args()
-    from sftjob_trainer.assets import make_assets
+    from tools.assets import make_assets
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

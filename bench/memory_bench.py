@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench import outputs
 from bench.common import DEFAULT_DATA_DIR, load_model_config_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,11 +161,8 @@ def run_ours(model: Path, data: Path, out: Path, ckpt: bool, steps: int, micro: 
            *[f"{k}={v}" for k, v in over.items()]]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1")
     fields, _, killed = measure(cmd, env, "our run")
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    done = [r for r in rows if "loss" in r]
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    shutil.rmtree(out / "hf", ignore_errors=True)
+    done = outputs.step_rows(out)
+    outputs.drop_checkpoints_and_exports(out)
     result = {"contender": "ours, 2 ranks (FSDP2)", "checkpointing": ckpt, "micro": micro, **fields,
               # the trainer's own: the largest rank's high-water mark by the last step (before the
               # final save and export)

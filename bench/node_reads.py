@@ -2,7 +2,7 @@
 
     python -m bench.node_reads [--hidden 768 --layers 6] [--work DIR]
 
-Makes a Llama-style model of the given size (sftjob_trainer.assets), puts it and the data
+Makes a Llama-style model of the given size (tools.assets), puts it and the data
 in a private MinIO (tests/trainer/minio.py), trains 2 steps of full fine-tuning on two
 simulated nodes (one process each, with scratch and model cache of their own, as
 tests/trainer/runner.run_nodes starts them), then resumes on two new nodes for one more
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from sftjob_trainer.assets import make_model, make_rows, make_tokenizer, write_parquet
+    from tools.assets import make_model, make_rows, make_tokenizer, write_parquet
     from tests.trainer import runner
     from tests.trainer.minio import MinioServer
 

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import common
+from bench import common, outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,8 +134,7 @@ def ours_command(inp: dict, out: Path, precision: str, steps: int, extra: list[s
 
 def summarize_ours(out: Path, inp: dict, precision: str, warmup: int) -> dict:
     """Window metrics from metrics.jsonl, computed the way common.StepMeter computes them."""
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = {r["step"]: r for r in rows if "loss" in r}
+    steps = {r["step"]: r for r in outputs.step_rows(out)}
     last = max(steps)
     timed = [steps[s] for s in range(warmup + 1, last + 1)]
     seconds = steps[last]["time"] - steps[warmup]["time"]
@@ -180,8 +179,7 @@ def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path)
         if code:
             raise SystemExit(f"{name} {precision} failed (exit {code}), see {base}.log")
         res = summarize_ours(run_out, inp, precision, args.warmup)
-        shutil.rmtree(run_out / "checkpoints", ignore_errors=True)
-        shutil.rmtree(run_out / "hf", ignore_errors=True)
+        outputs.drop_checkpoints_and_exports(run_out)
     else:
         module, flags = PEERS[name]
         cmd = [sys.executable, "-m", module, *flags, *common_flags, "--data-dir", str(inp["data"]),

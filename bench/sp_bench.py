@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import outputs
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -35,7 +37,7 @@ def prepare(work: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sftjob_trainer.assets import make_tokenizer
+    from tools.assets import make_tokenizer
 
     model = work / "model"
     if not (model / "config.json").exists():
@@ -53,7 +55,7 @@ def write_data(work: Path, length: int) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from sftjob_trainer.assets import FRUITS
+    from tools.assets import FRUITS
 
     path = work / f"data-{length}.parquet"
     if not path.exists():
@@ -94,9 +96,7 @@ def run_point(work: Path, model: Path, sp: int, length: int, steps: int, max_s: 
         kill_tree(proc.pid)  # torchrun's ranks run in sessions of their own: a timeout must not leave them on
         proc.communicate()
         return {"sp": sp, "length": length, "ok": False, "why": f"over {max_s:.0f}s"}
-    metrics = out / "metrics.jsonl"
-    rows = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    rows = [r for r in rows if "loss" in r]
+    rows = outputs.step_rows(out)
     if proc.returncode != 0 or not rows:
         tail = output.strip().splitlines()[-1:] or [""]
         return {"sp": sp, "length": length, "ok": False, "why": f"exit {proc.returncode}: {tail[0][:200]}"}

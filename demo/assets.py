@@ -16,7 +16,7 @@ def stage_assets(ctx: Ctx) -> None:
     if example.have_local_assets(root):
         out.say(f"tiny model and data already in {root}")
     else:
-        out.cmd(f"python -m sftjob_trainer.assets {shown(root)}")
+        out.cmd(f"python -m tools.assets {shown(root)}")
         example.make_local_assets(root)
     ctx.assets = root
     example.upload(root)

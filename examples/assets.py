@@ -1,6 +1,6 @@
 """Put what examples/sftjob.yaml needs into the local cluster (`make example-assets NAMESPACE=ns`).
 
-- the tiny model and parquet data (`python -m sftjob_trainer.assets`, made once under
+- the tiny model and parquet data (`python -m tools.assets`, made once under
   .assets/tiny) uploaded to s3://sftjob-examples/{models/tiny,data/} in the cluster's MinIO,
   with the trainer's own S3 client (sftjob_trainer.storage);
 - the Secret `sftjob-s3` (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) in the namespace,
@@ -29,14 +29,14 @@ PREFIXES = (("model", "models/tiny"), ("data", "data"))
 
 
 def have_local_assets(root: Path) -> bool:
-    """Complete assets under ``root``: chat_val.parquet is the last file sftjob_trainer.assets writes."""
+    """Complete assets under ``root``: chat_val.parquet is the last file tools.assets writes."""
     return (root / "model" / "config.json").is_file() and (root / "data" / "chat_val.parquet").is_file()
 
 
 def make_local_assets(root: Path) -> Path:
     """The tiny model and data under ``root``, made once (quietly: their progress bars are noise here)."""
     if not have_local_assets(root):
-        subprocess.run([sys.executable, "-m", "sftjob_trainer.assets", str(root)], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "tools.assets", str(root)], check=True, capture_output=True, cwd=REPO)
     return root
 
 

@@ -8,8 +8,8 @@ NAMESPACE ?= default
 
 crds: install ## Regenerate the CRD from the pydantic API models, and the generated references in docs/reference/
 	$(PY) -m sftjob_operator.crd > crds/.sftjob.io_sftjobs.yaml.tmp && mv crds/.sftjob.io_sftjobs.yaml.tmp crds/sftjob.io_sftjobs.yaml
-	$(PY) -m sftjob_operator.reference --write docs/reference/sftjob.md
-	$(PY) -m sftjob_operator.reference --trainer --write docs/reference/trainer-config.md
+	$(PY) -m tools.reference --write docs/reference/sftjob.md
+	$(PY) -m tools.reference --trainer --write docs/reference/trainer-config.md
 
 crds-install: ## Apply the SFTJob CRD to the local cluster
 	@$(CLUSTER_ENV); kubectl apply --server-side -f crds/sftjob.io_sftjobs.yaml

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.unit
                          [([], "docs/reference/sftjob.md"), (["--trainer"], "docs/reference/trainer-config.md")],
                          ids=["sftjob", "trainer"])
 def test_generated_reference_is_current(extra, page):
-    proc = subprocess.run([sys.executable, "-m", "sftjob_operator.reference", *extra, "--check", page], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "tools.reference", *extra, "--check", page], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, f"{page} is stale; run make crds\n{proc.stdout}{proc.stderr}"
 

@@ -17,7 +17,7 @@ PACKAGES = {  # import name -> its directory
     "sftjob_operator": ROOT / "operator" / "sftjob_operator",
 }
 MAX_LINES = 400
-SOURCE_DIRS = ["contract", "trainer", "operator", "demo", "bench", "hack", "examples", "images"]
+SOURCE_DIRS = ["contract", "trainer", "operator", "demo", "bench", "hack", "examples", "images", "tools"]
 GENERATED: set[str] = set()  # repo-relative paths of generated sources, none today
 
 pytestmark = pytest.mark.unit
@@ -113,3 +113,24 @@ def test_no_source_file_over_the_limit():
             if lines > MAX_LINES and rel not in GENERATED:
                 over.append(f"{rel}: {lines} lines")
     assert not over, f"split these along their seams (limit {MAX_LINES}):\n" + "\n".join(over)
+
+
+PRODUCT_IMPORTS_BANNED = ("tools", "bench", "demo", "examples", "hack", "tests")
+
+
+def test_the_product_packages_hold_no_developer_tools():
+    """What ships in the images (contract, trainer, operator) neither imports the checkout's
+    tools, benchmarks, demo or tests, nor finds files by walking up from ``__file__``: that only
+    works in a checkout. Developer tools live in tools/ (issue 24)."""
+    found = []
+    for directory in PACKAGES.values():
+        for path in sorted(directory.rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                found += [f"{rel}: imports {n}" for n in names if n.split(".")[0] in PRODUCT_IMPORTS_BANNED]
+                if isinstance(node, ast.Name) and node.id == "__file__":
+                    found.append(f"{rel}:{node.lineno}: reads __file__")
+    assert not found, "move these to tools/ (or read the path from configuration):\n" + "\n".join(found)

@@ -35,7 +35,7 @@ def _local_config(assets: Path, out: Path) -> dict:
 
 def test_the_example_job_teaches_the_prompts_the_demo_shows(tmp_path):
     import pyarrow.parquet as pq
-    from sftjob_trainer.assets import make_assets
+    from tools.assets import make_assets
 
     assets, out = make_assets(tmp_path / "assets"), tmp_path / "run"
     config = tmp_path / "trainer.yaml"

@@ -1,6 +1,6 @@
 """The demo's pure parts: the job manifest it applies, its `kubectl get sft` rows, the
 Grafana variable expansion, the scrape targets, and the reference generator
-(sftjob_operator.reference: every CRD field documented)."""
+(tools.reference: every CRD field documented)."""
 from __future__ import annotations
 
 from pathlib import Path

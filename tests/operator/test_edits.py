@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from sftjob_operator import edits, reconcile
-from sftjob_operator.reference import CRD
+from tools.reference import CRD
 
 from .op_testkit import apply, at, cond, pods_for, running_job, terminated
 

@@ -18,7 +18,7 @@ import torch
 
 from sftjob_contract import metrics as M
 from sftjob_trainer import early_stop
-from sftjob_trainer.assets import CITIES, COLORS, COUNTRIES, FRUITS, write_parquet
+from tools.assets import CITIES, COLORS, COUNTRIES, FRUITS, write_parquet
 from sftjob_trainer.checkpoint import TrainerState
 
 from . import inproc, runner

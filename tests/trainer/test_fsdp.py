@@ -35,7 +35,7 @@ def _deep_model(assets, tmp_path, layers: int):
     """The assets' tokenizer with a deeper model (more layers make activations dominate)."""
     from transformers import AutoTokenizer
 
-    from sftjob_trainer.assets import make_model
+    from tools.assets import make_model
 
     out = tmp_path / f"model{layers}"
     shutil.copytree(assets / "model", out)

@@ -1,7 +1,7 @@
 """trainer.cpu_offload and model.liger_kernel: GPU-only, refused elsewhere naming the field.
 
 Their GPU behaviour (losses with and without, peak memory) is `make gpu-check`'s
-(bench/gpu_check.py: offload, liger)."""
+(tests/gpu/test_kernels.py: offload, liger)."""
 from __future__ import annotations
 
 import sys

@@ -8,7 +8,7 @@ import pytest
 
 from sftjob_contract.config import ConfigError, build_config
 from sftjob_trainer import jsonl
-from sftjob_trainer.assets import write_parquet
+from tools.assets import write_parquet
 from sftjob_trainer.errors import InvalidData
 from sftjob_trainer.jsonl import JsonlRows, open_rows
 

@@ -13,7 +13,7 @@ import pytest
 
 from sftjob_contract.config import DataConfig
 from sftjob_trainer import mixing
-from sftjob_trainer.assets import make_chats, make_rows, write_parquet
+from tools.assets import make_chats, make_rows, write_parquet
 from sftjob_trainer.batching import GlobalBatches
 from sftjob_trainer.data import SampleBuilder
 

@@ -20,7 +20,7 @@ from sftjob_contract import env as E
 from sftjob_contract import exits
 from sftjob_contract.config import load_config
 from sftjob_trainer import cli
-from sftjob_trainer.assets import make_rows, write_parquet
+from tools.assets import make_rows, write_parquet
 
 from . import runner
 

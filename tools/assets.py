@@ -5,7 +5,7 @@ Nothing may be downloaded from a hub, so this writes a small Llama-style model
 tokens and a chat template, loadable by `AutoTokenizer.from_pretrained`) and parquet
 data around a learnable task, all loaded later exactly as a user's real ones are.
 
-    python -m sftjob_trainer.assets OUT [--seed 0] [--train-rows 2000]
+    python -m tools.assets OUT [--seed 0] [--train-rows 2000]
 
 writes OUT/model/ and OUT/data/{train,val,chat_train,chat_val}.parquet.
 """
@@ -140,7 +140,7 @@ def make_assets(out: str | Path, seed: int = 0, train_rows: int = 2000, val_rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sftjob_trainer.assets", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tools.assets", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="output directory")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--train-rows", type=int, default=2000)
