@@ -6,6 +6,10 @@ from __future__ import annotations
 import math
 import time
 
+from sftjob_contract import metrics as tm
+from sftjob_contract.metrics import COUNTER_SUFFIX
+from sftjob_operator import metrics as om
+
 from demo import prom as promlib
 from demo.context import REPO, Ctx, shown
 from demo.plot import StepAt, plot_loss
@@ -48,20 +52,21 @@ def stage_metrics(ctx: Ctx) -> None:
     out.stage(6, f"Metrics from Prometheus ({prom.url}) and the loss curve")
     start, end = ctx.t_apply, max(ctx.t_end, time.time())
     sel = f'sftjob="{a.job}",namespace="{a.namespace}"'
-    loss = prom.query_range(f"sftjob_trainer_loss{{{sel}}}", start, end, step=1)
-    steps = by_attempt(prom.query_range(f"sftjob_trainer_step{{{sel}}}", start, end, step=1))
-    val = prom.query_range(f"sftjob_trainer_val_loss{{{sel}}}", start, end, step=1)
-    tps = prom.query_range(f"sftjob_trainer_tokens_per_second{{{sel}}}", start, end, step=1)
-    restart_q = f'sum by (cause) (sftjob_operator_gang_restarts_total{{namespace="{a.system_namespace}"}})'
+    loss = prom.query_range(f"{tm.LOSS}{{{sel}}}", start, end, step=1)
+    steps = by_attempt(prom.query_range(f"{tm.STEP}{{{sel}}}", start, end, step=1))
+    val = prom.query_range(f"{tm.VAL_LOSS}{{{sel}}}", start, end, step=1)
+    tps = prom.query_range(f"{tm.TOKENS_PER_SECOND}{{{sel}}}", start, end, step=1)
+    restarts = om.RESTARTS_NAME + COUNTER_SUFFIX
+    restart_q = f'sum by (cause) ({restarts}{{namespace="{a.system_namespace}"}})'
     before = {r["metric"].get("cause", ""): float(r["value"][1]) for r in prom.query(restart_q, at=start)}
     after_series = prom.query(restart_q, at=end)
     after = {r["metric"].get("cause", ""): float(r["value"][1]) for r in after_series}
     by_cause = {c: int(after[c] - before.get(c, 0)) for c in after}
-    phases = prom.query('sftjob_operator_jobs > 0', at=end)
+    phases = prom.query(f'{om.JOBS_NAME} > 0', at=end)
 
     lv = losses_after_first_step(loss, steps)
     tv = [v for _, v in _values(tps) if math.isfinite(v)]  # NaN until a rank's first step
-    out.cmd(f"curl -s '{prom.url}/api/v1/query_range?query=sftjob_trainer_loss{{{sel}}}&...'")
+    out.cmd(f"curl -s '{prom.url}/api/v1/query_range?query={tm.LOSS}{{{sel}}}&...'")
     if lv:
         out.say(f"loss:      {lv[0][1]:.3f} at the start (step {int(lv[0][2])}) -> "
                 f"{lv[-1][1]:.3f} at the end (step {int(lv[-1][2])})   [{len(loss)} series, "
@@ -75,10 +80,10 @@ def stage_metrics(ctx: Ctx) -> None:
         out.say(f"val loss:  {last[0] if last else vv[-1][1]:.3f} at the last validation Prometheus saw{at}")
     if tv:
         out.say(f"tokens/s:  {sum(tv) / len(tv):.0f} on average while running (max {max(tv):.0f}), all ranks")
-    out.say("restarts by cause (sftjob_operator_gang_restarts_total): "
+    out.say(f"restarts by cause ({restarts}): "
             + (", ".join(f"{c}={n}" for c, n in sorted(by_cause.items())) or "none"))
     if phases:
-        out.say("jobs by phase (sftjob_operator_jobs): "
+        out.say(f"jobs by phase ({om.JOBS_NAME}): "
                 + ", ".join(f"{r['metric'].get('phase')}={float(r['value'][1]):.0f}" for r in phases))
 
     png = a.workdir / "loss.png"

@@ -103,3 +103,23 @@ def test_the_operator_scrapes_contract_names_and_the_docs_list_them():
     doc = (ROOT / "docs" / "trainer-contract.md").read_text()
     missing = sorted(n for n in _contract_metric_names() if f"`{n}`" not in doc and f"`{n}_total`" not in doc)
     assert missing == [], f"docs/trainer-contract.md does not name {missing}"
+
+
+def test_the_batch_rule_reads_the_same_in_python_and_in_the_crds_cel():
+    """The global-batch rule is written once (sections._BATCH_RULE): its CEL rendering, evaluated
+    on integers (CEL's % and * on ints are Python's on non-negative ints), agrees with the Python
+    predicate everywhere on a grid, and the CRD carries exactly that rendering."""
+    from sftjob_contract.sections import batch_splits, batch_splits_cel
+
+    expr = batch_splits_cel("t", "m", "d")
+    for t in range(1, 49):
+        for m in range(1, 9):
+            for d in range(1, 9):
+                assert eval(expr, {}, {"t": t, "m": m, "d": d}) == batch_splits(t, m, d), (t, m, d)
+    import yaml
+
+    crd = json.dumps(yaml.safe_load((ROOT / "crds" / "sftjob.io_sftjobs.yaml").read_text()))
+    rendered = batch_splits_cel("self.data.trainBatchSize", "self.data.microBatchSizePerGpu",
+                                "(self.resources.nodes * self.resources.processesPerNode) / "
+                                "self.training.sequenceParallelSize")
+    assert json.dumps(rendered)[1:-1] in crd, f"the CRD does not check {rendered}"

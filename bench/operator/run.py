@@ -47,8 +47,12 @@ from hack.localcluster.kube import ApiError, Kube
 from bench.operator.harness import (JOBS, KWOK_POD_CIDR, METRICS_PORT, REPO, BlackHole, Operator, PodWatch,
                                     job_manifest, probe, syn_sent, wait_running)
 from bench.operator.stats import hist_quantile, msum, pct
+from sftjob_contract.metrics import COUNTER_SUFFIX
+from sftjob_operator import metrics as om
 
 CRD = REPO / "crds" / "sftjob.io_sftjobs.yaml"
+RECONCILES_TOTAL = om.RECONCILES_NAME + COUNTER_SUFFIX
+RECONCILE_ERRORS_TOTAL = om.RECONCILE_ERRORS_NAME + COUNTER_SUFFIX
 NODE_PREFIX = "bench-kwok-"
 
 
@@ -201,13 +205,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         mb, cb, tb = op.samples(), op.cpu_seconds(), time.time()
         dt = tb - ta
-        rec_rate = (msum(mb, "sftjob_operator_reconciles_total") - msum(ma, "sftjob_operator_reconciles_total")) / dt
+        rec_rate = (msum(mb, RECONCILES_TOTAL) - msum(ma, RECONCILES_TOTAL)) / dt
         cpu_pct = 100 * (cb - ca) / dt
         scrape_keys = sorted({k.partition("{")[0] for k in mb if "scrape" in k and not k.startswith("python_")})
         scrape_rates = {k: (msum(mb, k) - msum(ma, k)) / dt for k in scrape_keys
                         if k.endswith(("_total", "_count"))}
-        dur_p50 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.5, ma)
-        dur_p99 = hist_quantile(mb, "sftjob_operator_reconcile_duration_seconds", 0.99, ma)
+        dur_p50 = hist_quantile(mb, om.RECONCILE_SECONDS_NAME, 0.5, ma)
+        dur_p99 = hist_quantile(mb, om.RECONCILE_SECONDS_NAME, 0.99, ma)
         say(f"steady state over {dt:.0f}s: {rec_rate:.1f} reconciles/s, operator CPU {cpu_pct:.0f}%, "
             f"reconcile duration p50 {dur_p50:.3f}s p99 {dur_p99:.3f}s; scrape metrics {scrape_rates or 'none'}; "
             f"unanswered scrape connections in flight: mean {statistics.fmean(inflight or [0]):.1f}, "
@@ -223,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         # -- the end -------------------------------------------------------------------------
         m_end = op.samples()
         hwm_mb = op.status_kb("VmHWM") / 1024
-        rec_errors = (msum(m_end, "sftjob_operator_reconcile_errors_total")
-                      - msum(m0, "sftjob_operator_reconcile_errors_total"))
+        rec_errors = (msum(m_end, RECONCILE_ERRORS_TOTAL)
+                      - msum(m0, RECONCILE_ERRORS_TOTAL))
         with open(op.log_path, "rb") as fh:
             fh.seek(log_offset)
             log_text = fh.read().decode(errors="replace")

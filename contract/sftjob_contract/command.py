@@ -10,3 +10,5 @@ TRAINER_MODULE = "sftjob_trainer"
 LAUNCHER_MODULE = "sftjob_trainer.launch"
 SEPARATOR = "--"        # torchrun's options before it, the trainer's arguments after
 CONFIG_FLAG = "--config"
+CONFIG_DIR = "/etc/sftjob"   # where a pod mounts the job's ConfigMap, read-only (no output may go there)
+CONFIG_FILE = "config.yaml"  # the trainer's config in it: --config CONFIG_DIR/CONFIG_FILE

@@ -26,6 +26,7 @@ AWS_REGION = "AWS_REGION"
 AWS_DEFAULT_REGION = "AWS_DEFAULT_REGION"
 AWS_ACCESS_KEY_ID = "AWS_ACCESS_KEY_ID"
 AWS_SECRET_ACCESS_KEY = "AWS_SECRET_ACCESS_KEY"
+AWS_SESSION_TOKEN = "AWS_SESSION_TOKEN"  # with temporary credentials
 
 # The job's identity, set by the operator for logs and tools in the pod.
 JOB_NAME = "SFTJOB_JOB_NAME"

@@ -10,7 +10,25 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["DataConfig", "DataSource", "LoraConfig", "ModelConfig", "OptimConfig"]
+__all__ = ["DataConfig", "DataSource", "LoraConfig", "ModelConfig", "OptimConfig", "batch_splits",
+           "batch_splits_cel"]
+
+# The global batch's one rule: `data.train_batch_size` sequences split into whole micro-batches of
+# `data.micro_batch_size_per_gpu` on each of the data-parallel ranks, the same number on each.
+# The config checks it with one rank, the CRD (batch_splits_cel) and the operator (sizes.py) at
+# each gang size, the trainer (batching.py) at the world it runs in. Written once, as an
+# expression that reads the same in Python and in CEL (integers, % and *).
+_BATCH_RULE = "{train} % ({data_parallel} * {micro}) == 0"
+
+
+def batch_splits(train_batch_size: int, micro_batch_size: int, data_parallel: int = 1) -> bool:
+    """Whether the global batch splits into whole micro-batches on ``data_parallel`` ranks."""
+    return train_batch_size % (data_parallel * micro_batch_size) == 0
+
+
+def batch_splits_cel(train: str, micro: str, data_parallel: str) -> str:
+    """The same rule as a CEL expression over the given CEL sub-expressions."""
+    return _BATCH_RULE.format(train=train, micro=f"({micro})", data_parallel=f"({data_parallel})")
 
 
 class _Section(BaseModel):
@@ -216,7 +234,7 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _micro_divides_global(self) -> DataConfig:
-        if self.train_batch_size % self.micro_batch_size_per_gpu:
+        if not batch_splits(self.train_batch_size, self.micro_batch_size_per_gpu):
             raise ValueError(
                 f"data.micro_batch_size_per_gpu ({self.micro_batch_size_per_gpu}) must divide "
                 f"data.train_batch_size ({self.train_batch_size})"

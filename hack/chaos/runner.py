@@ -7,6 +7,8 @@ import random
 import time
 import urllib.request
 
+from sftjob_contract.metrics import STEP
+
 from .faults import RESTARTING, Fault, Injector, minio_live, minio_start, wait_for
 from .harness import METRICS_PORT, Ctx, restarts, say
 from .monitor import Monitor
@@ -19,7 +21,7 @@ def rank0_step(ctx: Ctx, injector: Injector, attempt: int | None) -> int | None:
             try:
                 with urllib.request.urlopen(f"http://{p['status']['podIP']}:{METRICS_PORT}/metrics", timeout=1) as r:
                     for line in r.read().decode().splitlines():
-                        if line.startswith("sftjob_trainer_step "):
+                        if line.startswith(STEP + " "):
                             v = float(line.split()[1])
                             return int(v) if v == v else None
             except OSError:

@@ -18,9 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
+from sftjob_contract import command
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig, TrainerConfig
 from sftjob_contract.tracking import HTTP_URI, MlflowConfig, TrackingConfig, WandbConfig
-from sftjob_contract.sections import DataSource
+from sftjob_contract.sections import DataSource, batch_splits_cel
 
 from .resources import ResourcesSpec
 from .schema import DNS_SUBDOMAIN, IMMUTABLE, URI_MESSAGE, URI_RULE, SpecModel, cel, rules
@@ -187,10 +188,10 @@ class StorageSpec(SpecModel):
         cel("!has(self.persistentVolumeClaim) || !self.uri.startsWith('s3://')",
              "storage.persistentVolumeClaim applies only to a path storage.uri, not s3://",
              field_path=".persistentVolumeClaim"),
-        cel("self.uri.startsWith('s3://') || (self.uri.matches('^/[^/]') && !self.uri.startsWith('/etc/sftjob')"
-             " && !self.uri.startsWith('/dev/'))",
-             "a path storage.uri must be a directory below / (not /, /dev/... or /etc/sftjob), where the claim "
-             "is mounted", field_path=".uri"),
+        cel("self.uri.startsWith('s3://') || (self.uri.matches('^/[^/]') "
+            f"&& !self.uri.startsWith('{command.CONFIG_DIR}') && !self.uri.startsWith('/dev/'))",
+             f"a path storage.uri must be a directory below / (not /, /dev/... or {command.CONFIG_DIR}), "
+             "where the claim is mounted", field_path=".uri"),
     ))
 
     uri: str = Field(
@@ -336,8 +337,8 @@ def _size_rules(nodes: str, name: str, when: str = "true") -> list[dict[str, Any
         cel(f"!({when}) || {world} % {sp} == 0",
             f"training.sequenceParallelSize must divide the world size at {name} ({name} * resources.processesPerNode)",
             field_path=".training.sequenceParallelSize"),
-        cel(f"!({when}) || {world} % {sp} != 0 || self.data.trainBatchSize % ({world} / {sp} "
-            "* self.data.microBatchSizePerGpu) == 0",
+        cel(f"!({when}) || {world} % {sp} != 0 || "
+            + batch_splits_cel("self.data.trainBatchSize", "self.data.microBatchSizePerGpu", f"{world} / {sp}"),
             "data.trainBatchSize must be a multiple of data.microBatchSizePerGpu times the data-parallel size at "
             f"{name} ({name} * resources.processesPerNode / training.sequenceParallelSize)",
             field_path=".data.trainBatchSize"),

@@ -24,8 +24,6 @@ LABEL_JOB = "sftjob.io/job-name"
 LABEL_RANK = "sftjob.io/rank"
 LABEL_ATTEMPT = "sftjob.io/attempt"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "sftjob-operator", "app.kubernetes.io/name": "sftjob"}
-CONFIG_DIR = "/etc/sftjob"
-CONFIG_FILE = "config.yaml"
 # The scratch volume (spec.resources.scratch): checkpoint staging and the model cache.
 SCRATCH_DIR = "/var/lib/sftjob"
 CONTAINER = "trainer"
@@ -222,7 +220,7 @@ def build_config_map(job: JobRef, spec: api.SFTJobSpec, metrics_port: int = METR
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(job, config_map_name(job)),
-        "data": {CONFIG_FILE: config_text(job, spec, metrics_port)},
+        "data": {command.CONFIG_FILE: config_text(job, spec, metrics_port)},
     }
 
 
@@ -230,7 +228,7 @@ def trainer_command(job: JobRef, spec: api.SFTJobSpec, rank: int, master_port: i
     """The trainer's launcher (torchrun with exit codes the failure policy can read) for a
     multi-process gang; plain `python -m sftjob_trainer` for a single process."""
     res = spec.resources
-    config = [command.CONFIG_FLAG, f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    config = [command.CONFIG_FLAG, f"{command.CONFIG_DIR}/{command.CONFIG_FILE}"]
     if res.nodes * res.processes_per_node == 1:
         return ["python", "-m", command.TRAINER_MODULE, *config]
     return [
@@ -338,7 +336,7 @@ def build_pod(job: JobRef, spec: api.SFTJobSpec, rank: int, attempt: int,
         "command": trainer_command(job, spec, rank, master_port),
         "env": _env(job, spec, rank, attempt, master_port),
         "ports": ports,
-        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "volumeMounts": [{"name": "config", "mountPath": command.CONFIG_DIR, "readOnly": True}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,

@@ -8,6 +8,8 @@ Stalled once the job has failed.
 """
 from __future__ import annotations
 
+from sftjob_contract import exits
+
 from .phases import Phase
 from .status import Condition, ConditionStatus
 
@@ -29,14 +31,14 @@ REASON_PODS_STARTING = "PodsStarting"
 REASON_ALL_RUNNING = "AllPodsRunning"
 REASON_NOT_RUNNING = "NotRunning"
 REASON_SUCCEEDED = "TrainingSucceeded"
-REASON_PREEMPTED = "Preempted"
+REASON_PREEMPTED = exits.REASON_PREEMPTED          # the trainer's word, and the operator's
 REASON_POD_DELETED = "PodDeleted"
 REASON_POD_LOST = "PodLost"
 REASON_SIGNALLED = "Signalled"
 REASON_CRASHED = "Crashed"
 REASON_NODE_NOT_READY = "NodeNotReady"
 REASON_NODE_LEASE_EXPIRED = "NodeLeaseExpired"
-REASON_TRAINING_ERROR = "TrainingError"
+REASON_TRAINING_ERROR = exits.REASON_TRAINING_ERROR  # a failed pod that named no reason
 REASON_BACKOFF_LIMIT = "BackoffLimitExceeded"
 REASON_PREEMPTION_LIMIT = "PreemptionLimitExceeded"
 REASON_DEADLINE = "DeadlineExceeded"
@@ -46,7 +48,7 @@ REASON_SUSPENDED = "JobSuspended"
 REASON_RESUMED = "JobResumed"
 REASON_RESTART_PREEMPTION = "RestartingAfterPreemption"
 REASON_RESTART_FAILURE = "RestartingAfterFailure"
-REASON_INVALID_CONFIG = "InvalidConfig"
+REASON_INVALID_CONFIG = exits.REASON_INVALID_CONFIG  # ... that exited PERMANENT
 REASON_POD_REJECTED = "PodRejected"                  # the API server refused to create a pod
 REASON_OBJECT_REJECTED = "ObjectRejected"            # ... the job's Service or ConfigMap
 REASON_NAME_TAKEN = "NameTaken"                      # a Service/ConfigMap name held by someone else

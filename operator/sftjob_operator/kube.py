@@ -40,18 +40,23 @@ class Conflict(Exception):
     """The object changed since it was read; re-read and try again."""
 
 
+def api_client(pool: int = 32) -> kubernetes.client.ApiClient:
+    """The operator's API client: in-cluster credentials in a pod, else the kubeconfig. One
+    construction for every caller (the reconciler's `Kube`, the leader election). Pods of many
+    jobs are created and deleted concurrently: the default pool of 4 connections would be
+    reopened over and over."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+    conf = kubernetes.client.Configuration.get_default_copy()
+    conf.connection_pool_maxsize = pool
+    return kubernetes.client.ApiClient(conf)
+
+
 class Kube:
     def __init__(self, client: kubernetes.client.ApiClient | None = None):
-        if client is None:
-            try:
-                kubernetes.config.load_incluster_config()
-            except kubernetes.config.ConfigException:
-                kubernetes.config.load_kube_config()
-            conf = kubernetes.client.Configuration.get_default_copy()
-            # Pods of many jobs are created and deleted concurrently; the default pool of 4
-            # connections would be reopened over and over.
-            conf.connection_pool_maxsize = 32
-            client = kubernetes.client.ApiClient(conf)
+        client = client or api_client()
         self.client = client
         self.core = kubernetes.client.CoreV1Api(client)
         self.custom = kubernetes.client.CustomObjectsApi(client)

@@ -41,7 +41,9 @@ from collections.abc import Callable
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
-from prometheus_client import Counter, Gauge
+
+from .kube import api_client
+from .metrics import LEADER, TRANSITIONS
 
 log = logging.getLogger("sftjob_operator.leader")
 
@@ -50,9 +52,6 @@ log = logging.getLogger("sftjob_operator.leader")
 EXIT_LEASE_LOST = 75
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
-# On prometheus_client's default registry, which metrics.serve() exports.
-LEADER = Gauge("sftjob_operator_leader", "1 while this replica holds the leader Lease and acts; 0 on standby.")
-TRANSITIONS = Counter("sftjob_operator_leader_acquisitions_total", "Times this replica acquired the leader Lease.")
 
 
 @dataclass
@@ -100,14 +99,6 @@ def _micro_time(dt: datetime) -> str:
     return dt.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _api_client() -> kubernetes.client.ApiClient:
-    try:
-        kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
-    return kubernetes.client.ApiClient(kubernetes.client.Configuration.get_default_copy())
-
-
 def _exit_lost(reason: str) -> None:
     log.critical("leader election: lost the Lease (%s); exiting at once so that this replica never acts "
                  "beside the new leader (exit %d)", reason, EXIT_LEASE_LOST)
@@ -125,7 +116,7 @@ class LeaseLock:
 
     def __init__(self, namespace: str, name: str, client: kubernetes.client.ApiClient | None = None):
         self.namespace, self.name = namespace, name
-        self.api = kubernetes.client.CoordinationV1Api(client or _api_client())
+        self.api = kubernetes.client.CoordinationV1Api(client or api_client(pool=2))
 
     @staticmethod
     def _json(resp: Any) -> dict[str, Any]:

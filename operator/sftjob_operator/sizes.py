@@ -8,6 +8,8 @@ skipped (never started).
 """
 from __future__ import annotations
 
+from sftjob_contract.sections import batch_splits
+
 from . import api
 
 
@@ -25,7 +27,7 @@ def misfit(spec: api.SFTJobSpec, nodes: int) -> str | None:
         return (f"spec.training.sequenceParallelSize ({sp}) must divide the world size at {nodes} node(s) "
                 f"({world} = nodes * spec.resources.processesPerNode)")
     micro = spec.data.micro_batch_size_per_gpu
-    if spec.data.train_batch_size % (world // sp * micro):
+    if not batch_splits(spec.data.train_batch_size, micro, world // sp):
         return (f"spec.data.trainBatchSize ({spec.data.train_batch_size}) must be a multiple of "
                 f"spec.data.microBatchSizePerGpu ({micro}) times the data-parallel size at {nodes} node(s) "
                 f"({world // sp} = world size {world} / sequenceParallelSize {sp})")

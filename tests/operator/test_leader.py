@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from sftjob_operator import leader
+from sftjob_operator import metrics
 from sftjob_operator.leader import Config, LeaderElector, LeaseLock
 
 from tests.fixtures.cluster import wait_for
@@ -68,7 +68,7 @@ def test_acquire_creates_the_lease_and_a_second_candidate_waits(cluster, namespa
     assert a.acquire() and a.is_leader
     spec = lease(cluster, namespace)["spec"]
     assert spec["holderIdentity"] == "a" and spec["leaseDurationSeconds"] == 3 and spec["leaseTransitions"] == 0
-    assert leader.LEADER._value.get() == 1  # the gauge /metrics exports
+    assert metrics.LEADER._value.get() == 1  # the gauge /metrics exports
     a.start_renewing()
     try:
         t, stop, out = acquire_in_thread(b)

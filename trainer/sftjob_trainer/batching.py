@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from sftjob_contract.config import DataConfig
+from sftjob_contract.sections import batch_splits
 
 from .data import IGNORE, Sample, SFTDataset
 from .mixing import MixedDataset
@@ -79,11 +80,11 @@ class GlobalBatches:
         group share one); ``shard`` cuts this rank's slice out of each micro-batch (ulysses.py)."""
         # With sequence parallelism the batch is split over the SP groups, not the processes.
         what = "processes" if shard is None else f"data-parallel ranks (processes / {SP_FIELD})"
-        if cfg.train_batch_size % world:
-            raise InvalidData(f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number of "
-                              f"{what} ({world})")
         self.per_rank = cfg.train_batch_size // world
-        if self.per_rank % cfg.micro_batch_size_per_gpu:
+        if not batch_splits(cfg.train_batch_size, cfg.micro_batch_size_per_gpu, world):
+            if cfg.train_batch_size % world:
+                raise InvalidData(f"data.train_batch_size ({cfg.train_batch_size}) must be divisible by the number "
+                                  f"of {what} ({world})")
             raise InvalidData(
                 f"data.micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must divide the per-rank batch "
                 f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} {what})"

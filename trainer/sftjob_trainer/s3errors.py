@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from sftjob_contract import env as E
 
 from .errors import StorageDenied, StorageUnavailable, TrainerError
+from .s3settings import S3Settings
 
 TRANSIENT, PERMANENT, UNKNOWN = "transient", "permanent", "unknown"
 
@@ -123,7 +124,7 @@ def describe(err: BaseException) -> str:
     no message, log line or status may show the secret key or session token)."""
     text = str(err) if type(err) is OSError else f"{type(err).__name__}: {err}"  # pyarrow's text says enough
     text = _USERINFO.sub("//***@", text)
-    for name in (E.AWS_SECRET_ACCESS_KEY, "AWS_SESSION_TOKEN"):
+    for name in (E.AWS_SECRET_ACCESS_KEY, E.AWS_SESSION_TOKEN):
         secret = os.environ.get(name)
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
@@ -148,14 +149,10 @@ def classify(err: BaseException, field: str, uri: str, what: str = "", tries: in
 # --------------------------------------------------------------------------- how long to retry
 
 
-def attempts(default: int = 8) -> int:
-    """Attempts per S3 operation: ``SFTJOB_S3_ATTEMPTS``, else ``default`` (8 boto3 attempts
-    with ``backoff`` between them ride out about 40 s of outage)."""
-    raw = os.environ.get(E.S3_ATTEMPTS, "")
-    try:
-        return max(1, int(raw)) if raw else default
-    except ValueError:
-        return default
+def attempts() -> int:
+    """Attempts per S3 store operation (s3settings: ``SFTJOB_S3_ATTEMPTS``, else 8, which with
+    ``backoff`` between them ride out about 40 s of outage)."""
+    return S3Settings.from_env().store_attempts()
 
 
 def backoff(attempt: int, base: float = 0.5, cap: float = 10.0) -> float:

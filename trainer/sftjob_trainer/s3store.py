@@ -25,6 +25,7 @@ from sftjob_contract import env as E
 from . import s3errors
 from .errors import InvalidConfig
 from .nodecopy import NodeCopy
+from .s3settings import S3Settings
 
 log = logging.getLogger(__name__)
 # What each download cost, on every rank: the others log only warnings (cli.setup_logging), but
@@ -81,21 +82,17 @@ class S3Prefix:
     """
 
     def __init__(self, uri: str, attempts: int | None = None, deadline_s: float = 600.0, workers: int = 8,
-                 scratch: Path | None = None, field: str = STORAGE_FIELD):
-        import boto3
+                 scratch: Path | None = None, field: str = STORAGE_FIELD, settings: S3Settings | None = None):
         from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
 
         self.bucket, prefix = split_s3(uri.rstrip("/"))
         self.prefix = prefix.rstrip("/")
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self.attempts = attempts or s3errors.attempts()
+        # Read now, not cached: a later change of AWS_* (a rotated Secret, another store) counts.
+        settings = settings or S3Settings.from_env()
+        self.attempts = attempts or settings.store_attempts()
         self.deadline_s, self.workers, self.field = deadline_s, workers, field
-        # A session of its own: the default one caches the credentials it first resolved, so a
-        # later change of AWS_* (a rotated Secret in a test, another store) would go unseen.
-        self.client = boto3.session.Session().client("s3", config=Config(
-            retries={"total_max_attempts": min(3, self.attempts), "mode": "standard"},
-            connect_timeout=5, read_timeout=60))
+        self.client = settings.boto3_client()
         self.transfer = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=64 << 20, max_concurrency=4)
         self.scratch = scratch or local_root(self.uri)  # node-local staging for what gets uploaded
 
