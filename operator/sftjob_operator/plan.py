@@ -1,4 +1,4 @@
-"""What one reconcile pass decided (reconcile.py) and the handler carries out (handlers._apply).
+"""What one reconcile pass decided (reconcile.py) and act.py carries out (act.apply_plan).
 
 A plan is data, so that the decision can be tested without a cluster: the status to
 write, the pods to create or delete, the events to post and when to look again.

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sftjob_operator import handlers
-from sftjob_operator.handlers import Runtime
+from sftjob_operator.runtime import Runtime
 
 pytestmark = pytest.mark.unit
 
@@ -45,7 +45,7 @@ def test_resync_queues_every_job_past_one_with_an_unreadable_status():
                      _job("c", {"phase": "Pending"})])
     rt = Runtime(kube=kube, namespaces=None)  # type: ignore[arg-type]
     asyncio.run(handlers.resync(rt))
-    assert set(rt.due) == {("ns", "a"), ("ns", "bad"), ("ns", "c")}
+    assert set(rt.queue.due) == {("ns", "a"), ("ns", "bad"), ("ns", "c")}
 
 
 def test_an_unreadable_status_is_reported_on_the_job_and_retried_at_the_resync_pace():
@@ -55,4 +55,4 @@ def test_an_unreadable_status_is_reported_on_the_job_and_retried_at_the_resync_p
     [(name, type_, reason, message)] = kube.events
     assert (name, type_, reason) == ("bad", "Warning", "InvalidStatus")
     assert "status.attempt" in message
-    assert rt.due[("ns", "bad")] - time.monotonic() > handlers.RESYNC_S - 5  # not every 5 s
+    assert rt.queue.due[("ns", "bad")] - time.monotonic() > handlers.RESYNC_S - 5  # not every 5 s
