@@ -25,6 +25,12 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
+from . import conditions as c
+from . import failure_policy as fp
+from . import restarts
+from .jobpass import Gang, Pass
+from .status import parse_time
+
 
 def _left(since: datetime, seconds: int, now: datetime) -> float:
     return (since + timedelta(seconds=seconds) - now).total_seconds()
@@ -62,3 +68,38 @@ def progress_left(limit: int | None, last_step: datetime | None, launched: datet
         return None
     since = max(last_step, observing_since) if observing_since is not None else last_step
     return _left(since, limit, now)
+
+
+# -- applied on a reconcile pass (jobpass.Pass), where the policy is stated ------------------
+
+def active(p: Pass) -> bool:
+    """The active deadline: True when it has passed and the job failed; else the pass is
+    asked for again when it would pass."""
+    rp = p.spec.run_policy
+    left = active_left(parse_time(p.st.start_time), rp.active_deadline_seconds, p.now)
+    if left is None:
+        return False
+    if left <= 0:
+        p.fail(c.REASON_DEADLINE, f"runPolicy.activeDeadlineSeconds ({rp.active_deadline_seconds}) exceeded")
+        return True
+    p.requeue(left)
+    return False
+
+
+def while_running(p: Pass, verdict: fp.GangVerdict, current: Gang) -> bool:
+    """The watchdog: restart a gang whose step stopped advancing (a rank stuck in a
+    collective, say), when it is armed (progress_left). True if it restarted."""
+    limit = p.spec.run_policy.progress_deadline_seconds
+    progress = p.st.progress
+    left = progress_left(limit, parse_time(progress.last_step_time), parse_time(p.st.launch_time),
+                         progress.step, progress.total_steps, p.now, p.observing_since)
+    if left is None:
+        return False
+    if left > 0:
+        p.requeue(left)
+        return False
+    stuck = fp.GangVerdict(fp.Verdict.RESTART_FAILED, c.REASON_PROGRESS_DEADLINE,
+                           f"step {progress.step} has not advanced for {limit}s "
+                           "(runPolicy.progressDeadlineSeconds); a rank may be stuck")
+    restarts.after_failure(p, stuck, current, reason=c.REASON_PROGRESS_DEADLINE)
+    return True

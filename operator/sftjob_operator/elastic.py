@@ -31,6 +31,8 @@ from decimal import Decimal
 from typing import Any
 
 from . import api, sizes, stop_request
+from .failure_policy import GangVerdict
+from .jobpass import Gang, Pass
 from .phases import Phase
 from .rejections import parse_quantity
 from .resources import Toleration
@@ -108,8 +110,8 @@ def launch_size(spec: api.SFTJobSpec, eligible: int | None) -> int:
     return sizes.largest_within(spec, eligible) or allowed[-1]
 
 
-def while_starting(spec: api.SFTJobSpec, size: int, launched: datetime, now: datetime,
-                   why: str) -> Resize | None:
+def shrink_decision(spec: api.SFTJobSpec, size: int, launched: datetime, now: datetime,
+                    why: str) -> Resize | None:
     """A gang of `size` pods that has not all started since `launched`: step down one size
     once it has waited SHRINK_AFTER_S (module docstring, step 2)."""
     smaller = sizes.next_smaller(spec, size)
@@ -120,8 +122,8 @@ def while_starting(spec: api.SFTJobSpec, size: int, launched: datetime, now: dat
                   f"starting at {smaller} (resources.minNodes {sizes.min_nodes(spec)})")
 
 
-def while_running(spec: api.SFTJobSpec, size: int, eligible: int | None, since: datetime | None,
-                  now: datetime, edited: bool = False) -> tuple[Resize | None, float | None]:
+def resize_decision(spec: api.SFTJobSpec, size: int, eligible: int | None, since: datetime | None,
+                    now: datetime, edited: bool = False) -> tuple[Resize | None, float | None]:
     """A gang of `size` pods is training: resize it? Returns the decision and, when a grow
     waits only for the cooldown, the seconds left of it. `edited`: the spec changed since
     the gang was launched (a user raising resources.nodes): a grow then is the edit's, at once."""
@@ -149,7 +151,7 @@ def while_running(spec: api.SFTJobSpec, size: int, eligible: int | None, since: 
                   f"{grow} of the {wanted} wanted, at a checkpoint"), None
 
 
-# -- applied on a reconcile pass (reconcile._Pass), where the policy is stated ------------------
+# -- applied on a reconcile pass (jobpass.Pass), where the policy is stated ------------------
 
 def gang_spec(spec: api.SFTJobSpec, size: int) -> api.SFTJobSpec:
     """The spec a gang of `size` pods is built from: the job's, at that size."""
@@ -158,7 +160,7 @@ def gang_spec(spec: api.SFTJobSpec, size: int) -> api.SFTJobSpec:
     return spec.model_copy(update={"resources": spec.resources.model_copy(update={"nodes": size})})
 
 
-def size_new_gang(p: Any) -> None:
+def on_new_gang(p: Pass) -> None:
     """Decide the size of the attempt about to be launched (once per attempt): a resize
     already chose it, else the eligible nodes do. A gang restarted at another size than the
     last one (a node lost, or back) is a resize too, and says so."""
@@ -175,7 +177,7 @@ def size_new_gang(p: Any) -> None:
     st.nodes, st.sized_attempt = size, st.attempt
 
 
-def count(p: Any, r: Resize) -> None:
+def count(p: Pass, r: Resize) -> None:
     res = p.st.resizes = p.st.resizes or ResizeStatus()
     res.count += 1
     res.last_reason, res.last_message, res.last_from, res.last_to = r.reason, r.message, p.st.nodes, r.to
@@ -183,7 +185,7 @@ def count(p: Any, r: Resize) -> None:
     p.event("Normal", r.reason, r.message)
 
 
-def apply(p: Any, r: Resize, current: dict[int, dict[str, Any]]) -> None:
+def apply(p: Pass, r: Resize, current: Gang) -> None:
     """Resize now: the gang stops gracefully (checkpointed on request, stop_request.py, or on
     SIGTERM) and the next attempt starts at `r.to`, with no back-off and no restart counted."""
     count(p, r)
@@ -194,23 +196,23 @@ def apply(p: Any, r: Resize, current: dict[int, dict[str, Any]]) -> None:
     p.requeue(2.0)
 
 
-def shrink_starting(p: Any, stuck_reason: str | None, current: dict[int, dict[str, Any]]) -> bool:
+def while_starting(p: Pass, verdict: GangVerdict, current: Gang) -> bool:
     """A gang not all started: step down a size once it has waited long enough. True if it did."""
-    why = "queued by Kueue" if p.queued else stuck_reason or "pods pending"
-    r = while_starting(p.spec, p.size, parse_time(p.st.launch_time) or p.now, p.now, why)
+    why = "queued by Kueue" if p.queued else verdict.stuck_reason or "pods pending"
+    r = shrink_decision(p.spec, p.size, parse_time(p.st.launch_time) or p.now, p.now, why)
     if r:
         apply(p, r, current)
     return r is not None
 
 
-def resize_running(p: Any, current: dict[int, dict[str, Any]]) -> bool:
+def while_running(p: Pass, verdict: GangVerdict, current: Gang) -> bool:
     """A training gang: grow it, or apply an edit of resources.nodes. True if it resized."""
     pr = p.st.progress
     if pr.step is not None and pr.total_steps is not None and pr.step >= pr.total_steps:
         return False   # final validation and export: let it finish
     eligible = eligible_nodes(p.cluster_nodes, p.spec) if p.cluster_nodes is not None else None
     edited = bool(p.generation and p.st.launched_generation and p.generation > p.st.launched_generation)
-    r, left = while_running(p.spec, p.size, eligible, parse_time(p.st.launch_time), p.now, edited)
+    r, left = resize_decision(p.spec, p.size, eligible, parse_time(p.st.launch_time), p.now, edited)
     if r and stop_request.ready_to_stop(p, f"resize to {r.to}"):
         apply(p, r, current)
     elif left:

@@ -47,6 +47,7 @@ from sftjob_contract import exits
 
 from . import conditions as c
 from . import queueing
+from .nodes import NodeLease, NodeReadiness
 from .phases import POD_FINISHED, PodPhase
 from .status import observed_time
 
@@ -252,15 +253,6 @@ def judge_gang(outcomes: dict[int, PodOutcome | None], nodes: int) -> GangVerdic
     return GangVerdict(Verdict.RUNNING)
 
 
-@dataclass(frozen=True)
-class NodeReadiness:
-    """A node's Ready condition as last read: `ready` (Unknown reads as not ready) and the
-    condition's lastTransitionTime (`since`, None when unknown)."""
-
-    ready: bool
-    since: datetime | None = None
-
-
 def _bound_at(pod: dict[str, Any]) -> datetime | None:
     cond = _condition(pod, "PodScheduled")
     return observed_time(cond.get("lastTransitionTime")) if cond and cond.get("status") == "True" else None
@@ -282,14 +274,6 @@ def node_ready_for(pod: dict[str, Any], node: NodeReadiness | None) -> bool | No
     if bound is not None and bound > node.since:
         return None
     return False
-
-
-@dataclass(frozen=True)
-class NodeLease:
-    """A node's heartbeat: the Lease its kubelet renews every `duration_s` / 4 seconds."""
-
-    renewed: datetime
-    duration_s: float
 
 
 # finishedAt has whole seconds: a renewal less than this after it may still predate the failure

@@ -19,7 +19,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import api
 from .builders import LABEL_JOB
-from .failure_policy import NodeLease, NodeReadiness
+from .nodes import NodeLease, NodeReadiness
 from .status import observed_time
 
 log = logging.getLogger("sftjob_operator")

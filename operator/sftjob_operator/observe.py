@@ -10,7 +10,7 @@ from typing import Any
 from sftjob_contract.metrics import METRICS_PATH
 
 from . import builders, status
-from .failure_policy import NodeLease, NodeReadiness
+from .nodes import NodeLease, NodeReadiness
 from .phases import PodPhase
 from .runtime import Runtime
 from .workqueue import Key

@@ -29,6 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import conditions as c
+from .jobpass import STARTING_POLL_S, Gang, Pass
+from .phases import Phase
+from .status import iso
+
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_CLASS_LABEL = "kueue.x-k8s.io/priority-class"
 GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
@@ -136,3 +141,37 @@ def admission(pods: list[dict[str, Any]]) -> Admission | None:
                          "pod integration enabled for this namespace (managedJobsNamespaceSelector)?", queued=False)
     return Admission(True, REASON_ADMITTED,
                      f"Kueue admitted pod group {group} (LocalQueue {queue}); its pods are ungated", queued=False)
+
+
+# -- applied on a reconcile pass (jobpass.Pass), where the policy is stated ------------------
+
+def set_admitted(p: Pass, admitted: bool, reason: str, message: str) -> None:
+    """The `Admitted` condition of a job queued by Kueue; its lastTransitionTime to True
+    is when the operator saw the gang's gates removed (the startup deadline starts then)."""
+    p.st.conditions = c.set_condition(p.st.conditions, ADMITTED, admitted, reason, message, iso(p.now),
+                                      p.generation)
+
+
+def track_admission(p: Pass, current: Gang) -> bool:
+    """For a gang in a Kueue pod group: record whether it is admitted. True while any pod of
+    the gang is still gated (queued)."""
+    found = admission(list(current.values()))
+    if found is None:
+        return False
+    set_admitted(p, found.admitted, found.reason, found.message)
+    return found.queued
+
+
+def while_starting(p: Pass, verdict: Any, current: Gang) -> bool:
+    """Gated by Kueue: no startup deadline runs (it starts at admission, since waiting for
+    quota held by other teams is not a failure to start), and the job says so. True then."""
+    if not p.queued:
+        return False
+    cond = c.get_condition(p.st.conditions, ADMITTED)
+    message = cond.message if cond else "queued by Kueue"
+    if p.st.phase == Phase.PENDING:
+        if p.reason_changed_to(REASON_QUEUED):
+            p.event("Normal", REASON_QUEUED, message)
+        p.set_phase(Phase.PENDING, REASON_QUEUED, message)
+    p.requeue(STARTING_POLL_S)
+    return True

@@ -15,12 +15,19 @@ Nothing waits without saying why: pods that cannot start put their reason (a mis
 Secret, Unschedulable, ...) in the job's conditions; pods the API server refuses to create
 fail the job naming the spec field (`rejections.py`); an old gang stuck terminating on a
 lost node is force-deleted (`stale.py`); a gang whose step stops advancing is restarted by
-the progress watchdog. This module sequences the stages; each policy is a pure, table-tested
-module: failure_policy, success, suspend, deadlines, ttl, stale, queueing (Kueue).
+the progress watchdog.
+
+This module sequences the stages of a pass; each policy is a pure, table-tested module that
+decides and applies its rule against the pass's interface (jobpass.Pass): suspend, deadlines,
+stale, rejections, queueing (Kueue), elastic, restarts, success, ttl, edits, and
+failure_policy, which judges the gang. The policies that act while a gang starts, runs or is
+about to be built are listed once, in POLICIES; adding one is a module and a line there.
 """
 from __future__ import annotations
 
-from datetime import datetime, timedelta, UTC
+from collections.abc import Callable
+from datetime import datetime, UTC
+from types import ModuleType
 from typing import Any
 
 from sftjob_contract import layout
@@ -28,27 +35,31 @@ from sftjob_contract import layout
 from . import builders, deadlines, edits, elastic, eta, failure_policy as fp
 from . import conditions as c
 from . import progress as prog
-from . import queueing, stale, stop_request, success, suspend, ttl
-from .phases import TERMINAL, Phase, RestartCause
+from . import queueing, rejections, restarts, stale, stop_request, success, suspend, ttl
+from .jobpass import PROGRESS_INTERVAL_S, SETTLE_POLL_S, STALE_POLL_S, STARTING_POLL_S, Gang, Pass
+from .nodes import NodeLease, NodeReadiness
+from .phases import TERMINAL, Phase
 from .plan import Event, Plan
-from .rejections import Rejection, explain_waiting
+from .rejections import Rejection
 from .status import dump, fields_patch, iso, parse, parse_time
 
-# A running job is looked at again at least this often; its progress arrives sooner, as the
-# background scraper reads it (progress.Scraper asks for a pass whenever a reading changes).
-PROGRESS_INTERVAL_S = 15.0
-STARTING_POLL_S = 5.0        # how often a starting gang is re-checked besides pod events
-STALE_POLL_S = 2.0           # while old pods finish terminating
-SETTLE_POLL_S = 2.0          # while a failure waits for a peer node's heartbeat (settle_generic_failure)
-QUOTA_RETRY_S = 10.0         # how often a gang waiting for namespace quota is tried again
+__all__ = ["PROGRESS_INTERVAL_S", "POLICIES", "plan"]
+
+# The policies with a say in a gang's stages, in order (jobpass.py: on_new_gang,
+# while_starting, while_running; the first that acts ends the stage).
+POLICIES: tuple[ModuleType, ...] = (elastic, queueing, rejections, deadlines)
+
+
+def _hooks(stage: str) -> list[Callable[..., Any]]:
+    return [getattr(m, stage) for m in POLICIES if hasattr(m, stage)]
 
 
 class _Pass:
     """One reconcile pass over one job; builds a Plan."""
 
     def __init__(self, body: dict[str, Any], pods: list[dict[str, Any]], now: datetime,
-                 node_ready: dict[str, fp.NodeReadiness] | None, metrics: dict[str, float] | None,
-                 rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
+                 node_ready: dict[str, NodeReadiness] | None, metrics: dict[str, float] | None,
+                 rejection: Rejection | None = None, node_leases: dict[str, NodeLease] | None = None,
                  observing_since: datetime | None = None, cluster_nodes: list[dict[str, Any]] | None = None):
         self.body = body
         self.meta = body["metadata"]
@@ -150,17 +161,12 @@ class _Pass:
         attempt = self.st.attempt
         current = {builders.pod_rank(p): p for p in self.pods if builders.pod_attempt(p) == attempt}
         old_gang = [p for p in self.pods if builders.pod_attempt(p) != attempt]
-        rp = self.spec.run_policy
         # Checked before anything else waits: a gang stuck terminating ends at the deadline too.
-        left = deadlines.active_left(parse_time(self.st.start_time), rp.active_deadline_seconds, self.now)
-        if left is not None:
-            if left <= 0:
-                self.fail(c.REASON_DEADLINE, f"runPolicy.activeDeadlineSeconds ({rp.active_deadline_seconds}) exceeded")
-                return
-            self.requeue(left)
+        if deadlines.active(self):
+            return
         if old_gang:
             # An earlier gang still exists (or is still checkpointing): let it go first.
-            self.wait_for_stale(old_gang)
+            stale.wait(self, old_gang)
             return
         restart_after = parse_time(self.st.restart_after)
         if restart_after and self.now < restart_after:
@@ -168,10 +174,11 @@ class _Pass:
             return
         if self.st.launched_attempt != attempt:
             if self.rejection is not None:
-                self.rejected(self.rejection, current)
+                rejections.apply(self, self.rejection, current)
                 return
             if not current:
-                elastic.size_new_gang(self)
+                for hook in _hooks("on_new_gang"):
+                    hook(self)
             if len(current) < self.size:
                 self.launch(attempt, current)
                 return
@@ -180,17 +187,6 @@ class _Pass:
             created = [p["metadata"].get("creationTimestamp") for p in current.values()]
             self.st.launch_time = max([t for t in created if t] or [iso(self.now)])
         self.judge(attempt, current)
-
-    def wait_for_stale(self, old_gang: list[dict[str, Any]]) -> None:
-        """Stop an earlier gang and wait for it (stale.py: when a lingering pod is force-deleted)."""
-        self.stop(old_gang, finished_too=True)
-        self.requeue(STALE_POLL_S)
-        for pod in stale.lingering(old_gang, self.node_ready, self.now):
-            if pod.force_delete and pod.pod not in self.plan.force_delete_pods:
-                self.plan.force_delete_pods.append(pod.pod)
-                self.event("Warning", c.REASON_FORCE_DELETED, pod.message)
-            elif not pod.force_delete and self.st.phase in (Phase.PENDING, Phase.RESTARTING):
-                self.set_phase(self.st.phase, c.REASON_TERMINATING, pod.message)
 
     @property
     def size(self) -> int:
@@ -205,60 +201,17 @@ class _Pass:
                             for r in range(nodes) if r not in current]
         if group[0]:
             name = group[0][queueing.GROUP_LABEL]
-            self.set_admitted(False, queueing.REASON_WAITING,
-                              queueing.queued_message(queueing.queue_name(self.meta), name, []))
+            queueing.set_admitted(self, False, queueing.REASON_WAITING,
+                                  queueing.queued_message(queueing.queue_name(self.meta), name, []))
         self.st.output.uri = builders.model_uri(self.job, self.spec)   # what this gang will write
         self.plan.launched_status = fields_patch(launched_attempt=attempt, launch_time=iso(self.now),
                                                  launched_generation=self.generation,
                                                  launched_spec=edits.fingerprint(self.spec))
         self.requeue(STARTING_POLL_S)
 
-    def rejected(self, rej: Rejection, current: dict[int, dict[str, Any]]) -> None:
-        """The API server refused a pod of the gang. What no retry can fix fails the job,
-        naming the spec field; a full namespace quota is waited for (saying so) until the
-        startup deadline."""
-        if rej.permanent:
-            self.fail(rej.reason, rej.message)  # which stops the part of the gang that exists
-            return
-        rp = self.spec.run_policy
-        # Waiting since the job last stopped being Ready (created, or restarted): stable
-        # across the retries below, unlike restartAfter.
-        ready = c.get_condition(self.st.conditions, c.READY)
-        since = parse_time(ready.last_transition_time if ready else None) or self.now
-        if deadlines.startup_left(since, rp.startup_deadline_seconds, self.now) <= 0:
-            self.fail(c.REASON_STARTUP_DEADLINE,
-                      f"pods could not be created for {rp.startup_deadline_seconds}s "
-                      f"(runPolicy.startupDeadlineSeconds): {rej.message}")
-            return
-        if self.reason_changed_to(rej.reason):
-            self.event("Warning", rej.reason, rej.message)
-        self.set_phase(Phase.PENDING, rej.reason, rej.message)
-        if current:
-            # Part of the gang exists: it would hold quota while waiting for the rest (and its
-            # rendezvous would time out). Retire it, uncounted, and try the whole gang again.
-            self.stop(list(current.values()), finished_too=True)
-            self.st.attempt += 1
-        self.st.restart_after = iso(self.now + timedelta(seconds=QUOTA_RETRY_S))
-        self.requeue(QUOTA_RETRY_S)
-
-    def set_admitted(self, admitted: bool, reason: str, message: str) -> None:
-        """The `Admitted` condition of a job queued by Kueue; its lastTransitionTime to True
-        is when the operator saw the gang's gates removed (the startup deadline starts then)."""
-        self.st.conditions = c.set_condition(self.st.conditions, queueing.ADMITTED, admitted, reason, message,
-                                             iso(self.now), self.generation)
-
-    def track_admission(self, current: dict[int, dict[str, Any]]) -> bool:
-        """For a gang in a Kueue pod group: record whether it is admitted. True while any
-        pod of the gang is still gated (queued)."""
-        admission = queueing.admission(list(current.values()))
-        if admission is None:
-            return False
-        self.set_admitted(admission.admitted, admission.reason, admission.message)
-        return admission.queued
-
     def judge(self, attempt: int, current: dict[int, dict[str, Any]]) -> None:
         nodes = self.size
-        self.queued = self.track_admission(current)
+        self.queued = queueing.track_admission(self, current)
         outcomes: dict[int, fp.PodOutcome | None] = {r: fp.classify_pod(p, fp.node_ready_for(
                         p, self.node_ready.get((p.get("spec") or {}).get("nodeName", ""))))
                     for r, p in current.items()}
@@ -268,113 +221,7 @@ class _Pass:
             # a peer's node has not shown a heartbeat since: a failure, or a dead machine's echo?
             self.requeue(min(settle_s, SETTLE_POLL_S))
             return
-        rp = self.spec.run_policy
-        if verdict.verdict is fp.Verdict.FAILED:
-            self.fail(verdict.reason, f"{verdict.message} (a deterministic error: the trainer exited 2, and "
-                      "retrying cannot help; fix the spec or the data and create the job again)")
-        elif verdict.verdict is fp.Verdict.SUCCEEDED:
-            success.apply(self, current)
-        elif verdict.verdict is fp.Verdict.RESTART_FAILED:
-            self.attempt_failed(verdict, current)
-        elif verdict.verdict is fp.Verdict.RESTART_PREEMPTED:
-            if self.st.restarts.preemptions >= rp.preemption_limit:
-                self.fail(c.REASON_PREEMPTION_LIMIT,
-                          f"{c.REASON_PREEMPTION_LIMIT}: runPolicy.preemptionLimit ({rp.preemption_limit}) "
-                          f"reached; last: {verdict.message}")
-            else:
-                self.restart(RestartCause.PREEMPTION, verdict, current)
-        elif verdict.verdict is fp.Verdict.STARTING:
-            if not elastic.shrink_starting(self, verdict.stuck_reason, current):
-                self.starting(verdict)
-        else:
-            if self.st.phase != Phase.RUNNING:
-                self.set_phase(Phase.RUNNING, c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
-                self.event("Normal", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
-            self.st.start_time = self.st.start_time or iso(self.now)
-            if self.metrics:
-                self.st.progress = eta.update(self.st.progress, prog.merge(self.st.progress, self.metrics, iso(
-                    self.now)), self.st.attempt, self.now, parse_time(self.meta.get("creationTimestamp")))
-            self.requeue(PROGRESS_INTERVAL_S)
-            if not elastic.resize_running(self, current):
-                self.watchdog(current)
-
-    def starting(self, verdict: fp.GangVerdict) -> None:
-        """Pods not all running yet: say what they wait for; fail at the startup deadline."""
-        rp = self.spec.run_policy
-        if self.queued:
-            self.waiting_in_queue()
-            return
-        admitted = c.get_condition(self.st.conditions, queueing.ADMITTED)
-        admitted_at = parse_time(admitted.last_transition_time) if admitted and admitted.status == "True" else None
-        start, since = deadlines.startup_since(parse_time(self.st.launch_time) or self.now, admitted_at)
-        left = deadlines.startup_left(start, rp.startup_deadline_seconds, self.now)
-        why = explain_waiting(self.spec, verdict.stuck_reason, verdict.stuck_message)
-        if left <= 0:
-            self.fail(c.REASON_STARTUP_DEADLINE, f"pods not all running {rp.startup_deadline_seconds}s after "
-                      f"{since} (runPolicy.startupDeadlineSeconds){': ' + why if why else ''}")
-            return
-        if self.st.phase == Phase.PENDING:
-            if why:
-                if self.reason_changed_to(verdict.stuck_reason):
-                    self.event("Warning", verdict.stuck_reason, why)
-                self.set_phase(Phase.PENDING, verdict.stuck_reason, f"waiting: {why}")
-            else:
-                self.set_phase(Phase.PENDING, c.REASON_PODS_STARTING, "waiting for every pod to run")
-        self.requeue(min(left, STARTING_POLL_S))
-
-    def waiting_in_queue(self) -> None:
-        """Gated by Kueue: no startup deadline runs (it starts at admission, since waiting
-        for quota held by other teams is not a failure to start), and the job says so."""
-        message = c.get_condition(self.st.conditions, queueing.ADMITTED).message  # type: ignore[union-attr]  # queued: track_admission set it
-        if self.st.phase == Phase.PENDING:
-            if self.reason_changed_to(queueing.REASON_QUEUED):
-                self.event("Normal", queueing.REASON_QUEUED, message)
-            self.set_phase(Phase.PENDING, queueing.REASON_QUEUED, message)
-        self.requeue(STARTING_POLL_S)
-
-    def attempt_failed(self, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
-                       reason: str | None = None) -> None:
-        """A failed attempt: restart the gang, or fail the job when backoffLimit is spent."""
-        rp = self.spec.run_policy
-        failures = self.st.restarts.failures
-        if failures >= rp.backoff_limit:
-            self.fail(verdict.reason or c.REASON_BACKOFF_LIMIT,
-                      f"{c.REASON_BACKOFF_LIMIT}: {failures + 1} failed attempts "
-                      f"(runPolicy.backoffLimit {rp.backoff_limit}); last: {verdict.message}")
-        else:
-            self.restart(RestartCause.FAILURE, verdict, current, reason)
-
-    def watchdog(self, current: dict[int, dict[str, Any]]) -> None:
-        """Restart a gang whose step stopped advancing (a rank stuck in a collective, say);
-        when the watchdog is armed: deadlines.py."""
-        limit = self.spec.run_policy.progress_deadline_seconds
-        progress = self.st.progress
-        left = deadlines.progress_left(limit, parse_time(progress.last_step_time), parse_time(self.st.launch_time),
-                                       progress.step, progress.total_steps, self.now, self.observing_since)
-        if left is None:
-            return
-        if left > 0:
-            self.requeue(left)
-            return
-        verdict = fp.GangVerdict(fp.Verdict.RESTART_FAILED, c.REASON_PROGRESS_DEADLINE,
-                                 f"step {progress.step} has not advanced for {limit}s "
-                                 "(runPolicy.progressDeadlineSeconds); a rank may be stuck")
-        self.attempt_failed(verdict, current, reason=c.REASON_PROGRESS_DEADLINE)
-
-    def restart(self, cause: RestartCause, verdict: fp.GangVerdict, current: dict[int, dict[str, Any]],
-                reason: str | None = None) -> None:
-        delay = fp.restart_delay(self.spec.run_policy.restart_backoff_seconds, self.st.restarts.total)
-        self.st.restarts.count(cause)
-        self.st.attempt += 1
-        self.st.restart_after = iso(self.now + timedelta(seconds=delay))
-        reason = reason or (c.REASON_RESTART_FAILURE if cause == RestartCause.FAILURE else c.REASON_RESTART_PREEMPTION)
-        message = (f"{verdict.reason}: {verdict.message}; restarting the whole gang in {delay:.0f}s "
-                   f"(attempt {self.st.attempt})")
-        self.set_phase(Phase.RESTARTING, reason, message)
-        self.event("Warning", reason, message)
-        self.plan.restart_cause = cause
-        self.stop(list(current.values()), finished_too=True)
-        self.requeue(max(delay, STALE_POLL_S))
+        ON_VERDICT[verdict.verdict](self, verdict, current)
 
     def finish(self) -> Plan:
         if dump(self.st) != dump(self.old):
@@ -382,9 +229,41 @@ class _Pass:
         return self.plan
 
 
+def _starting(p: Pass, verdict: fp.GangVerdict, current: Gang) -> None:
+    """Pods not all running yet: the policies, in order, until one acts."""
+    any(hook(p, verdict, current) for hook in _hooks("while_starting"))
+
+
+def _running(p: Pass, verdict: fp.GangVerdict, current: Gang) -> None:
+    """Every pod runs: the job is Running, its progress is read, then the policies, in order,
+    until one acts."""
+    nodes, attempt = p.size, p.st.attempt
+    if p.st.phase != Phase.RUNNING:
+        p.set_phase(Phase.RUNNING, c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
+        p.event("Normal", c.REASON_ALL_RUNNING, f"all {nodes} pods running (attempt {attempt})")
+    p.st.start_time = p.st.start_time or iso(p.now)
+    if p.metrics:
+        p.st.progress = eta.update(p.st.progress, prog.merge(p.st.progress, p.metrics, iso(p.now)), p.st.attempt,
+                                   p.now, parse_time(p.meta.get("creationTimestamp")))
+    p.requeue(PROGRESS_INTERVAL_S)
+    any(hook(p, verdict, current) for hook in _hooks("while_running"))
+
+
+# What a gang's verdict (failure_policy.judge_gang) leads to.
+ON_VERDICT: dict[fp.Verdict, Callable[[Pass, fp.GangVerdict, Gang], None]] = {
+    fp.Verdict.FAILED: restarts.failed,
+    fp.Verdict.SUCCEEDED: success.apply,
+    fp.Verdict.RESTART_FAILED: restarts.after_failure,
+    fp.Verdict.RESTART_PREEMPTED: restarts.after_preemption,
+    fp.Verdict.STARTING: _starting,
+    fp.Verdict.RUNNING: _running,
+}
+_CONFORMS: type[Pass] = _Pass   # mypy: the pass implements the interface the policies see
+
+
 def plan(body: dict[str, Any], pods: list[dict[str, Any]], now: datetime | None = None,
-         node_ready: dict[str, fp.NodeReadiness] | None = None, metrics: dict[str, float] | None = None,
-         rejection: Rejection | None = None, node_leases: dict[str, fp.NodeLease] | None = None,
+         node_ready: dict[str, NodeReadiness] | None = None, metrics: dict[str, float] | None = None,
+         rejection: Rejection | None = None, node_leases: dict[str, NodeLease] | None = None,
          observing_since: datetime | None = None, cluster_nodes: list[dict[str, Any]] | None = None) -> Plan:
     """Decide what to do for one SFTJob given its pods (see module docstring). `node_ready`:
     the Ready condition of the nodes of pending and running pods. `rejection`: the API server

@@ -17,12 +17,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from . import api
 from . import conditions as c
 from . import failure_policy as fp
+from . import deadlines, queueing
+from .jobpass import QUOTA_RETRY_S, STARTING_POLL_S, Gang, Pass
+from .phases import Phase
+from .status import iso, parse_time
 
 
 # HTTP statuses of `create pod` that mean "this pod, as built, is refused" (not a passing
@@ -255,3 +260,57 @@ def explain_waiting(spec: api.SFTJobSpec, reason: str, message: str) -> str:
     if reason == "Unschedulable":
         return f"{text} (check spec.resources: cpu, memory, gpusPerNode, nodeSelector, tolerations)"
     return text
+
+
+# -- applied on a reconcile pass (jobpass.Pass), where the policy is stated ------------------
+
+def apply(p: Pass, rej: Rejection, current: Gang) -> None:
+    """The API server refused a pod of the gang. What no retry can fix fails the job, naming
+    the spec field; a full namespace quota is waited for (saying so) until the startup deadline."""
+    if rej.permanent:
+        p.fail(rej.reason, rej.message)  # which stops the part of the gang that exists
+        return
+    rp = p.spec.run_policy
+    # Waiting since the job last stopped being Ready (created, or restarted): stable across
+    # the retries below, unlike restartAfter.
+    ready = c.get_condition(p.st.conditions, c.READY)
+    since = parse_time(ready.last_transition_time if ready else None) or p.now
+    if deadlines.startup_left(since, rp.startup_deadline_seconds, p.now) <= 0:
+        p.fail(c.REASON_STARTUP_DEADLINE,
+               f"pods could not be created for {rp.startup_deadline_seconds}s "
+               f"(runPolicy.startupDeadlineSeconds): {rej.message}")
+        return
+    if p.reason_changed_to(rej.reason):
+        p.event("Warning", rej.reason, rej.message)
+    p.set_phase(Phase.PENDING, rej.reason, rej.message)
+    if current:
+        # Part of the gang exists: it would hold quota while waiting for the rest (and its
+        # rendezvous would time out). Retire it, uncounted, and try the whole gang again.
+        p.stop(list(current.values()), finished_too=True)
+        p.st.attempt += 1
+    p.st.restart_after = iso(p.now + timedelta(seconds=QUOTA_RETRY_S))
+    p.requeue(QUOTA_RETRY_S)
+
+
+def while_starting(p: Pass, verdict: fp.GangVerdict, current: Gang) -> bool:
+    """Pods not all running yet: say what they wait for (naming the field to blame), and fail
+    the job at the startup deadline (deadlines.py: from creation, or from Kueue's admission)."""
+    rp = p.spec.run_policy
+    admitted = c.get_condition(p.st.conditions, queueing.ADMITTED)
+    admitted_at = parse_time(admitted.last_transition_time) if admitted and admitted.status == "True" else None
+    start, since = deadlines.startup_since(parse_time(p.st.launch_time) or p.now, admitted_at)
+    left = deadlines.startup_left(start, rp.startup_deadline_seconds, p.now)
+    why = explain_waiting(p.spec, verdict.stuck_reason, verdict.stuck_message)
+    if left <= 0:
+        p.fail(c.REASON_STARTUP_DEADLINE, f"pods not all running {rp.startup_deadline_seconds}s after "
+               f"{since} (runPolicy.startupDeadlineSeconds){': ' + why if why else ''}")
+        return True
+    if p.st.phase == Phase.PENDING:
+        if why:
+            if p.reason_changed_to(verdict.stuck_reason):
+                p.event("Warning", verdict.stuck_reason, why)
+            p.set_phase(Phase.PENDING, verdict.stuck_reason, f"waiting: {why}")
+        else:
+            p.set_phase(Phase.PENDING, c.REASON_PODS_STARTING, "waiting for every pod to run")
+    p.requeue(min(left, STARTING_POLL_S))
+    return True

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .failure_policy import NodeReadiness, node_ready_for
+from .failure_policy import node_ready_for
+from .nodes import NodeReadiness
+from . import conditions as c
+from .jobpass import STALE_POLL_S, Pass
+from .phases import Phase
 from .status import parse_time
 
 
@@ -52,3 +56,18 @@ def lingering(stale: list[dict[str, Any]], node_ready: dict[str, NodeReadiness],
                                  f"waiting for pod {meta['name']} of an earlier attempt to terminate on {where} "
                                  f"(its grace period ended at {meta['deletionTimestamp']})"))
     return out
+
+
+# -- applied on a reconcile pass (jobpass.Pass), where the policy is stated ------------------
+
+def wait(p: Pass, old_gang: list[dict[str, Any]]) -> None:
+    """Stop an earlier gang and wait for it: force-delete its pods on lost nodes, and say
+    which pod the job waits for."""
+    p.stop(old_gang, finished_too=True)
+    p.requeue(STALE_POLL_S)
+    for pod in lingering(old_gang, p.node_ready, p.now):
+        if pod.force_delete and pod.pod not in p.plan.force_delete_pods:
+            p.plan.force_delete_pods.append(pod.pod)
+            p.event("Warning", c.REASON_FORCE_DELETED, pod.message)
+        elif not pod.force_delete and p.st.phase in (Phase.PENDING, Phase.RESTARTING):
+            p.set_phase(p.st.phase, c.REASON_TERMINATING, pod.message)

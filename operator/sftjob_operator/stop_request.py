@@ -18,8 +18,8 @@ Policy:
 """
 from __future__ import annotations
 
-from typing import Any
 
+from .jobpass import Pass
 from .status import CheckpointRequest, iso, parse_time
 
 WAIT_S = 60.0        # longest wait for the requested checkpoint before stopping anyway
@@ -31,8 +31,8 @@ REASON_DONE = "CheckpointedBeforeStop"
 REASON_NOT_DONE = "CheckpointRequestUnanswered"
 
 
-def ready_to_stop(p: Any, why: str) -> bool:
-    """On a reconcile pass `p` (reconcile._Pass) about to stop the gang for a planned reason
+def ready_to_stop(p: Pass, why: str) -> bool:
+    """On a reconcile pass `p` (jobpass.Pass) about to stop the gang for a planned reason
     `why`: True when it may stop the pods now; False when it asked for a checkpoint (the
     plan carries the request) or still waits for one (a pass is requeued)."""
     st, reading = p.st, p.metrics or {}

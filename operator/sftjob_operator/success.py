@@ -23,6 +23,7 @@ from . import builders, eta
 from . import conditions as c
 from . import progress as prog
 from .failure_policy import parse_termination_message, terminated_state
+from .jobpass import Gang, Pass
 from .phases import Phase
 from .status import Progress, iso
 
@@ -36,7 +37,7 @@ def early_stop(current: dict[int, dict[str, Any]]) -> str | None:
     return detail if reason == REASON_EARLY_STOPPED else None
 
 
-def apply(p: Any, current: dict[int, dict[str, Any]]) -> None:
+def apply(p: Pass, verdict: object, current: Gang) -> None:
     """The job succeeded (every rank exited 0): say so on the reconcile pass `p`."""
     uri = p.st.output.uri or builders.model_uri(p.job, p.spec)   # the gang's, set at launch
     p.st.output.uri = uri

@@ -18,10 +18,10 @@ Policy:
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 from . import conditions as c
 from . import queueing
+from .jobpass import Pass
 from .phases import Phase
 
 
@@ -39,8 +39,8 @@ def step(phase: str | None, suspend: bool) -> Step:
     return Step.RESUME if phase == Phase.SUSPENDED else Step.NONE
 
 
-def apply(p: Any, todo: Step, poll_s: float) -> None:
-    """Carry out SUSPEND or SUSPENDED on a reconcile pass `p` (reconcile._Pass): the policy
+def apply(p: Pass, todo: Step, poll_s: float) -> None:
+    """Carry out SUSPEND or SUSPENDED on a reconcile pass `p` (jobpass.Pass): the policy
     above, applied where it is stated."""
     if todo is Step.SUSPEND:
         p.st.attempt += 1
@@ -49,7 +49,7 @@ def apply(p: Any, todo: Step, poll_s: float) -> None:
         p.set_phase(Phase.SUSPENDED, c.REASON_SUSPENDED, "pods stopped; they checkpointed on SIGTERM")
         p.event("Normal", c.REASON_SUSPENDED, "suspending: stopping the pods gracefully")
         if c.get_condition(p.st.conditions, queueing.ADMITTED):
-            p.set_admitted(False, c.REASON_SUSPENDED,
+            queueing.set_admitted(p, False, c.REASON_SUSPENDED,
                            "suspended: the pods are deleted, which finishes the pod group's Workload "
                            "and releases its quota; resuming queues a new pod group")
     p.stop(p.pods, finished_too=True)

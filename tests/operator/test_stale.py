@@ -7,7 +7,7 @@ import pytest
 from .op_testkit import at, job_body, pods_for
 
 from sftjob_operator import stale
-from sftjob_operator.failure_policy import NodeReadiness
+from sftjob_operator.nodes import NodeReadiness
 
 pytestmark = pytest.mark.unit
 POD = pods_for(job_body())[0]   # on node-0

@@ -6,7 +6,7 @@ import pytest
 from .op_testkit import apply, at, cond, job_body, pods_for, running_job, terminated
 
 from sftjob_operator import builders, reconcile, rejections
-from sftjob_operator.failure_policy import NodeReadiness
+from sftjob_operator.nodes import NodeReadiness
 from sftjob_operator.status import iso
 
 pytestmark = pytest.mark.unit
@@ -319,7 +319,7 @@ def test_a_dead_machines_survivor_failing_first_is_counted_as_the_preemption():
     """Machine death: node-0 dies with rank 0; rank 1 loses its collective and exits 1 within
     seconds, while rank 0 still reads Running on a Ready node. Charged as a failure, this
     spent the backoffLimit on a preemption. The verdict waits for node-0's heartbeat."""
-    from sftjob_operator.failure_policy import NodeLease
+    from sftjob_operator.nodes import NodeLease
 
     body, pods = running_job()
     pods = [dict(p, spec={**p["spec"], "nodeName": f"node-{i}"}) for i, p in enumerate(pods)]
