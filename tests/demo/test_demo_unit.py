@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sftjob_operator import reference as gen_reference
+from tools import reference as gen_reference
 
 from demo import job, prom, targets, ui
 from demo import run as demo_run
