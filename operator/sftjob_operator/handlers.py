@@ -182,8 +182,11 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
         return None
     pods = await rt.kube.list_pods(namespace, name)
     seen = await observe(rt, key, body, pods)
-    plan = reconcile.plan(body, pods, datetime.now(UTC), seen.node_ready, seen.metrics, node_leases=seen.node_leases,
-                          observing_since=rt.observing_since, cluster_nodes=seen.cluster_nodes)
+    # A pod the API server refused in the previous pass: this pass decides with it (fail naming
+    # the field, or wait for quota), from the status that pass wrote.
+    refused = rt.refused.pop(key, None)
+    plan = reconcile.plan(body, pods, datetime.now(UTC), seen.node_ready, seen.metrics, refused, seen.node_leases,
+                          rt.observing_since, seen.cluster_nodes)
     uids = {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods}
     rejection = await act.apply_plan(rt, key, body, plan, uids)
     if plan.checkpoint_hold_s is not None and rt.scraper is not None and rt.session is not None:  # a planned stop
@@ -191,13 +194,7 @@ async def _pass(rt: Runtime, key: Key) -> Plan | None:
             await rt.kube.merge_status(namespace, name, {"checkpointRequest": {"failed": failed}})
             rt.enqueue(key, 0.5)
     if rejection is not None:
-        # The API server refused a pod: decide again with that knowledge (fail naming the
-        # field, or wait for quota) from the status just written.
-        body = await rt.kube.get_job(namespace, name)
-        if body is None:
-            return plan
-        pods = await rt.kube.list_pods(namespace, name)
-        plan = reconcile.plan(body, pods, datetime.now(UTC), seen.node_ready, None, rejection, seen.node_leases,
-                              rt.observing_since, seen.cluster_nodes)
-        await act.apply_plan(rt, key, body, plan, {p["metadata"]["name"]: p["metadata"].get("uid") for p in pods})
+        # One status write per pass: the refusal is decided on by the next pass, at once.
+        rt.refused[key] = rejection
+        rt.enqueue(key, urgent=True)
     return plan

@@ -11,6 +11,7 @@ import aiohttp
 
 from . import metrics, progress
 from .kube import Kube
+from .rejections import Rejection
 from .settings import Settings
 from .workqueue import Key, WorkQueue
 
@@ -28,6 +29,8 @@ class Runtime:
     # the progress watchdog counts no time before it (deadlines.progress_left).
     observing_since: datetime = field(default_factory=lambda: datetime.now(UTC))
     settings: Settings = field(default_factory=Settings)
+    # A pod of the job the API server refused to create, for the job's next pass (handlers._pass).
+    refused: dict[Key, Rejection] = field(default_factory=dict)
 
     def enqueue(self, key: Key, after: float = 0.0, urgent: bool = False) -> None:
         self.queue.enqueue(key, after, urgent)
@@ -36,5 +39,6 @@ class Runtime:
         """The job was deleted: drop everything this process kept for it."""
         self.phases.set(key, None)
         self.queue.forget(key)
+        self.refused.pop(key, None)
         if self.scraper:
             self.scraper.forget(key)
