@@ -162,7 +162,8 @@ def track_admission(p: Pass, current: Gang) -> bool:
     return found.queued
 
 
-def while_starting(p: Pass, verdict: Any, current: Gang) -> bool:
+def while_starting(p: Pass, verdict: object, current: Gang) -> bool:
+    # `verdict` is a failure_policy.GangVerdict, unread here (failure_policy imports this module).
     """Gated by Kueue: no startup deadline runs (it starts at admission, since waiting for
     quota held by other teams is not a failure to start), and the job says so. True then."""
     if not p.queued:
