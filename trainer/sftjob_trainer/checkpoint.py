@@ -156,7 +156,10 @@ def start_write(d: Path, model, optimizer, state: TrainerState, rank: int, stage
             written = pool.submit(dcp.save, shards, checkpoint_id=str(d), process_group=group)
             pool.shutdown(wait=False)
         else:
-            written = dcp.async_save(shards, checkpoint_id=str(d), process_group=group, async_stager=stager)
+            saved = dcp.async_save(shards, checkpoint_id=str(d), process_group=group, async_stager=stager)
+            # An AsyncSaveResponse comes only from asynchronous staging; host_stager() stages in this call.
+            assert isinstance(saved, Future)
+            written = saved
     except (OSError, CheckpointException) as e:  # dcp's planning collectives raise the latter
         raise io_error("writing checkpoint", d, e) from None
     return _plain_errors(written, d)
@@ -196,7 +199,8 @@ def load_dir(files: LocalFiles, model, optimizer) -> TrainerState:
         dcp.load(target, storage_reader=NodeLocalReader(files))
     except CheckpointException as e:
         raise io_error("reading checkpoint", files.dir, e) from None
-    set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
+    # dcp.load loaded into model_sd and optim_sd in place (target holds them, not copies).
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_options(strict=False))
     return state
 

@@ -221,12 +221,17 @@ class Checkpointer:
         if self._pending is None:
             return None
         future, step = self._pending, self._pending_step
+        assert step is not None  # set together with _pending
         self._pending = self._pending_step = None
         if stopping is not None and until is None:
+            def log_failure(f: Future) -> None:
+                if (err := f.exception()) is not None:
+                    _not_committed(step, err)
+
             while not future.done():
                 if stopping():
                     log.warning("stopping: not waiting for checkpoint step-%s to commit", step)
-                    future.add_done_callback(lambda f: f.exception() and _not_committed(step, f.exception()))
+                    future.add_done_callback(log_failure)
                     return None
                 time.sleep(0.2)
         try:
@@ -245,11 +250,11 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ failed commits
 
-    def _failed(self, step: int | None, err: Exception) -> Exception:
+    def _failed(self, step: int, err: Exception) -> Exception:
         """Count a commit that failed; remember what must end the run. Returns ``err``,
         or the plain error it stands for (a full disk reported as OSError)."""
         if isinstance(err, OSError) and err.errno in ckpt.DISK_FULL_ERRNOS:
-            err = ckpt.io_error("publishing checkpoint", self.store.local_path(checkpoint_dir(step or 0), self.rank),
+            err = ckpt.io_error("publishing checkpoint", self.store.local_path(checkpoint_dir(step), self.rank),
                                 err)
         _not_committed(step, err)
         self.failed_in_a_row += 1
@@ -301,7 +306,7 @@ class Checkpointer:
         self._stager.close()
 
 
-def _not_committed(step: int | None, err: BaseException) -> None:
+def _not_committed(step: int, err: BaseException) -> None:
     log.error("checkpoint step-%s was NOT committed: %s", step, err)
 
 

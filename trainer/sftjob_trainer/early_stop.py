@@ -75,6 +75,7 @@ def gauges(state: TrainerState) -> dict[str, float]:
 
 def row(state: TrainerState) -> dict[str, float]:
     """The metrics.jsonl line of the validation just taken."""
+    assert state.val_loss is not None  # after_validation() set it
     out = {"step": state.step, "val_loss": state.val_loss, "val_without_improvement": state.val_without_improvement}
     if state.best_val_loss is not None:
         out |= {"best_val_loss": state.best_val_loss, "best_val_step": state.best_val_step}

@@ -193,5 +193,6 @@ def open_rows(patterns: list[str], columns: list[str], field: str, fmt: str | No
             raise InvalidData(f"{field}: {why}; set {format_field or 'the format'} to parquet or jsonl "
                               "(one format per source)")
         fmt = kinds.pop()
+        assert fmt is not None  # refused above: one kind, and not None
     rows = JsonlRows(files, columns, fields) if fmt == "jsonl" else ParquetRows(files, columns, fields)
     return fmt, rows

@@ -67,11 +67,12 @@ def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool, widen: 
             probs = logits.sub_(lse[:, None]).exp_()  # softmax, reusing the logits buffer
             probs[torch.arange(t.numel(), device=t.device), t] -= 1.0
             g = probs.to(dtype)
-            if need_h and widen:
+            # grad_h / grad_w exist exactly when need_h / need_w
+            if grad_h is not None and widen:
                 grad_h[a : a + step] = gemm(g, w)
-            elif need_h:
+            elif grad_h is not None:
                 torch.mm(g, w, out=grad_h[a : a + step])
-            if need_w:
+            if grad_w is not None:
                 if dtype == torch.float32:
                     grad_w.addmm_(g.t(), h)
                 else:
@@ -84,7 +85,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, dtype, widen):
-        total, grad_h, grad_w = _chunked(hidden, weight, targets, dtype, *ctx.needs_input_grad[:2], widen)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        total, grad_h, grad_w = _chunked(hidden, weight, targets, dtype, need_h, need_w, widen)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
@@ -121,9 +123,11 @@ def chunked_ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = logits.reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1)
     step = chunk_rows(logits.shape[-1])
+    # Started from a tensor zero (not sum's int 0) so that the result is a tensor even without rows.
     return sum(
-        F.cross_entropy(logits[a : a + step].float(), targets[a : a + step], ignore_index=IGNORE, reduction="sum")
-        for a in range(0, logits.shape[0], step)
+        (F.cross_entropy(logits[a : a + step].float(), targets[a : a + step], ignore_index=IGNORE, reduction="sum")
+         for a in range(0, logits.shape[0], step)),
+        logits.new_zeros((), dtype=torch.float32),
     )
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -42,7 +43,10 @@ from .errors import InvalidConfig
 from .loss import install_loss_head
 from .modelcache import with_weights
 from .precision import WidenedBf16Linear, fsdp_mixed_precision
-from .unwrap import output_head, unwrap
+from .unwrap import model_config, output_head, unwrap
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,9 @@ def widen_bf16_gemms(model: nn.Module) -> None:
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = WidenedBf16Linear
-        module.widen_bf16 = True
+        # torch annotates nn.Module.__setattr__'s value as Tensor | Module; any other value is
+        # stored as a plain attribute.
+        module.widen_bf16 = True  # type: ignore[assignment]  # torch's __setattr__ annotation: see above
 
 
 # --------------------------------------------------------------------------- GPU-only options
@@ -232,8 +238,11 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World, offloa
         # its shards (torch's set_model_state_dict keeps every received tensor alive until
         # it returns: a whole extra copy of the model per rank).
         for name, param in model.named_parameters():
-            full = (full_sd.pop(name).to(world.device) if world.rank == 0
-                    else torch.empty(param.shape, dtype=param.dtype, device=world.device))
+            if world.rank == 0:
+                assert full_sd is not None  # rank 0 passes its full state dict (build_model)
+                full = full_sd.pop(name).to(world.device)
+            else:
+                full = torch.empty(param.shape, dtype=param.dtype, device=world.device)
             if isinstance(param, DTensor):
                 shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=0)
                 param.to_local().copy_(shard.to_local())
@@ -267,6 +276,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
         error = next((e for e in dist_utils.all_gather_objects(error) if e), None)
     if error:
         raise InvalidConfig(error)
+    assert model is not None  # loaded: a failure set error
     model = apply_lora(model, lora_cfg)
     # Rank 0's weights (LoRA ones included) as full tensors; sharding keeps them alive.
     full_sd = model.state_dict() if world.size > 1 and world.rank == 0 else None
@@ -289,7 +299,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
 
 def matmul_params(model: nn.Module) -> int:
     """Parameters that take part in matmuls (all but input embeddings): the 6·N of MFU."""
-    inner = unwrap(model)
+    inner = cast("PreTrainedModel", unwrap(model))  # nn.Module's __getattr__ would say Tensor | Module
     emb = inner.get_input_embeddings()
     n_emb = emb.weight.numel() if emb is not None else 0
     total = sum(p.numel() for n, p in inner.named_parameters() if "lora_" not in n)
@@ -301,8 +311,7 @@ def matmul_params(model: nn.Module) -> int:
 
 def attention_dims(model: nn.Module) -> tuple[int, int]:
     """(number of layers, heads × head_dim) for the attention FLOPs term."""
-    inner = unwrap(model)
-    c = inner.config
+    c = model_config(model)
     heads = getattr(c, "num_attention_heads", 0)
     head_dim = getattr(c, "head_dim", None) or (c.hidden_size // max(heads, 1))
     return c.num_hidden_layers, heads * head_dim

@@ -136,8 +136,10 @@ class ParquetRows:
                 raise _storage_or(err, self.fields[fi], self.files[fi], f"reading row group {rg}",
                                   f"row group {rg} is corrupt; rewrite the file or leave it out") from None
             self._cache_key = g
+        table = self._cache
+        assert table is not None  # set with _cache_key, which now names group g
         j = index - int(self.group_start[g])
-        return {c: self._cache.column(c)[j].as_py() for c in self.columns}
+        return {c: table.column(c)[j].as_py() for c in self.columns}
 
     def close(self) -> None:
         """Drop the cached row group and the open files while Arrow is fully alive.

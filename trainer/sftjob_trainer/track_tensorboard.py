@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .track_base import RunInfo
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 DIR = "tensorboard"
 
@@ -34,7 +38,7 @@ class TensorBoard:
 
     def __init__(self, store):
         self.store = store
-        self.writer = None
+        self.writer: SummaryWriter | None = None   # opened by start()
         self.local: Path | None = None
 
     def start(self, run: RunInfo, params: dict[str, str]) -> dict[str, int]:  # run: one dir per job
@@ -55,6 +59,7 @@ class TensorBoard:
         return last
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        assert self.writer is not None  # the Tracker logs to a backend only after its start()
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
 

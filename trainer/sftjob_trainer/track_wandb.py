@@ -13,10 +13,14 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sftjob_contract.tracking import WandbConfig
 
 from .track_base import ALL, OUTPUT_URI, RunInfo
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
 
 INIT_TIMEOUT_S = 10.0   # an unreachable server delays the start by this much, then training goes on without it
 # A .wandb file: a 7-byte header (":W&B", magic, version), then LevelDB log blocks of 32 KiB,
@@ -41,7 +45,9 @@ def records(path: Path) -> Iterator:
         _crc, length, kind = struct.unpack("<IHB", data[pos:pos + _CHUNK])
         chunk, pos = data[pos + _CHUNK:pos + _CHUNK + length], pos + _CHUNK + length
         if kind in (_FULL, _LAST):
-            record = pb.Record()
+            # wandb ships py.typed but no .pyi for its generated protobuf modules, whose message
+            # classes protobuf's builder adds to the module's globals at import time.
+            record = pb.Record()  # type: ignore[attr-defined]  # made at import: no .pyi, see above
             record.ParseFromString(parts + chunk if kind == _LAST else chunk)
             parts = b""
             yield record
@@ -74,7 +80,7 @@ class Wandb:
 
     def __init__(self, cfg: WandbConfig):
         self.cfg = cfg
-        self.run = None
+        self.run: Run | None = None   # opened by start()
 
     def start(self, run: RunInfo, params: dict[str, str]) -> dict[str, int]:
         import wandb
@@ -89,6 +95,7 @@ class Wandb:
         return {ALL: last} if last > 0 else {}
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        assert self.run is not None  # the Tracker logs to a backend only after its start()
         self.run.log(metrics, step=step)
 
     def commit(self) -> None:

@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -155,7 +156,12 @@ class Tracker:
     def wait(self, timeout_s: float) -> None:
         """Wait up to timeout_s for the queued calls (Queue.join has no timeout)."""
         done = threading.Event()
-        threading.Thread(target=lambda: (self._calls.join(), done.set()), daemon=True).start()
+
+        def join() -> None:
+            self._calls.join()
+            done.set()
+
+        threading.Thread(target=join, daemon=True).start()
         if not done.wait(timeout_s):
             log.warning("tracking: calls still queued after %.0fs; the attempt ends without them", timeout_s)
 
@@ -177,9 +183,14 @@ class Tracker:
 
     def commit(self) -> None:
         """Called on the checkpoint commit thread: queued behind the rows logged before it."""
-        if self._backends:
-            self._submit(lambda: [self._try(g, lambda g=g: (self._flush(g), g.backend.commit()))
-                                  for g in list(self._backends)])
+        if not self._backends:
+            return
+
+        def commit_all() -> None:
+            for g in list(self._backends):
+                self._try(g, lambda g=g: self._flush_then(g, g.backend.commit))
+
+        self._submit(commit_all)
 
     def finish(self, output_uri: str) -> str:
         """Training is done and the model exported at ``output_uri``: close every run as
@@ -200,7 +211,7 @@ class Tracker:
             for g in list(self._backends):
                 if status == "FINISHED":   # one last try; a stopping attempt (SIGTERM's budget) waits for none
                     g.retry_at = 0.0
-                self._try(g, lambda g=g: (self._flush(g), g.backend.finish(status, output_uri)))
+                self._try(g, lambda g=g: self._flush_then(g, lambda: g.backend.finish(status, output_uri)))
 
         self._calls.put(close_all)   # blocking: the last call is never dropped
         self.wait(FINISH_WAIT_S if status == "FINISHED" else CLOSE_WAIT_S)
@@ -223,6 +234,12 @@ class Tracker:
                 g.backend.log(step, fresh)
                 g.last.update(dict.fromkeys(fresh, step))
             g.pending.pop(0)
+
+    def _flush_then(self, g: _Guarded, then: Callable[[], None]) -> None:
+        """Flush ``g``'s pending rows, then (unless that failed) ``then()``: a commit or finish
+        applies to every row logged before it."""
+        self._flush(g)
+        then()
 
     def _try(self, g: _Guarded, action) -> None:
         """Run ``action``; a failure is counted, warned about once, and retried after a backoff."""

@@ -30,7 +30,7 @@ from .optim import build_optimizer, set_lr
 from .outputs import Outputs
 from .precision import use_widened_bf16
 from .storage import local_model_path
-from .unwrap import unwrap
+from .unwrap import model_config
 
 log = logging.getLogger(__name__)
 
@@ -302,8 +302,9 @@ class Trainer:
                                           "tokens_seen": self.state.tokens_seen + int(n_tokens),
                                           "non_finite_in_a_row": self.state.non_finite_in_a_row + 1 if skipped else 0})
         rss = dist_utils.all_reduce_max(torch.tensor([peak_rss_mb()])).item()
-        row = dict(step=self.state.step, epoch=self.state.epoch, loss=loss, lr=lr, grad_norm=grad_norm,
-                   tokens=int(n_tokens), tokens_per_s=n_tokens / seconds, max_rss_mb=rss)
+        row: dict[str, float | list[int]] = dict(step=self.state.step, epoch=self.state.epoch, loss=loss, lr=lr,
+                                                 grad_norm=grad_norm, tokens=int(n_tokens),
+                                                 tokens_per_s=n_tokens / seconds, max_rss_mb=rss)
         if self.cfg.trainer.log_sample_ids:
             ids = dist_utils.all_gather_objects([i for mb in micro_batches for i in mb.sample_ids])
             row["sample_ids"] = [i for part in ids for i in part]
@@ -343,6 +344,7 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> float:
+        assert self.val_ds is not None  # callers validate only with validation data
         self.model.eval()
         micro = self.cfg.data.micro_batch_size_per_gpu
         batches = list(eval_batches(self.val_ds, micro, self.world.dp_rank, self.world.dp_size, self.cfg.data.packing,
@@ -370,7 +372,7 @@ class Trainer:
     def export(self) -> str:
         early_stop.restore_best(self.cfg.trainer, self.state, self.checkpoints, self.model, self.optimizer)
         self._check_weights_finite()
-        unwrap(self.model).config.use_cache = True  # training turned the KV cache off; serving wants it
+        model_config(self.model).use_cache = True  # training turned the KV cache off; serving wants it
         lora = self.cfg.lora.rank > 0
         self.outputs.write_dir(layout.HF, lambda d: export(self.model, self.tokenizer, d, self.model_path, lora,
                                                     self.cfg.lora.merge_on_export, self.world.rank,

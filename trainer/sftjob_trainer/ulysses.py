@@ -65,9 +65,9 @@ def check_heads(config, sp: int) -> None:
     if sp == 1:
         return
     heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
     if not heads or heads % sp:
         raise InvalidConfig(f"{FIELD}={sp} must divide the model's num_attention_heads ({heads})")
+    kv = getattr(config, "num_key_value_heads", None) or heads
     if kv % sp and sp % kv:
         raise InvalidConfig(f"{FIELD}={sp} and the model's num_key_value_heads ({kv}) must divide one another "
                             f"(kv heads are split over the ranks, or repeated when fewer than {FIELD})")
@@ -197,6 +197,7 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     from transformers import AttentionInterface
 
     group = _GROUP
+    assert group is not None  # registered only with sp > 1, after setup() made the SP groups
     sp = group.size()
     if attention_mask is not None:
         raise RuntimeError("sequence-parallel attention takes no mask (rows are split with cu_seq_lens)")
