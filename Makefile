@@ -36,7 +36,7 @@ lint: lint-install ## Run ruff and mypy
 	$(VENV)/bin/mypy
 
 # The cluster tests need every binary, Kueue's included; they build while the venv installs.
-test: PREPARE = k8s etcd helm minio kwok coredns kueue
+test: PREPARE = k8s etcd helm minio kwok coredns kueue netpol
 test: cluster-prepare install checkov-install lint-install ## Run the whole test suite (unit, distributed, cluster)
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 

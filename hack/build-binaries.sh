@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build the local cluster's binaries from the Go module proxy into a version-keyed cache.
 #
-#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok|coredns|kueue|health ...]
-#                                                 (default: all but kueue and health, in that order)
+#   hack/build-binaries.sh [k8s|etcd|helm|minio|kwok|coredns|kueue|health|netpol ...]
+#                                                 (default: all but kueue, health and netpol, in that order)
 #   hack/build-binaries.sh --print-dirs                     (print NAME=DIR per component)
 #
 # Each component lands in ${SFTJOB_CACHE:-$HOME/.cache/sftjob}/<name>-<version>/bin and is
@@ -33,6 +33,7 @@ dir_of() {
     kueue) echo "$CACHE/kueue-$KUEUE_VERSION" ;;
     coredns) echo "$CACHE/coredns-$COREDNS_VERSION" ;;
     health) echo "$CACHE/health-$(health_version)" ;;
+    netpol) echo "$CACHE/netpol-$(netpol_version)" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac
 }
@@ -43,6 +44,12 @@ dir_of() {
 HEALTH_SRC="$HERE/tools/health"
 health_version() {
   (cd "$HEALTH_SRC" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
+}
+# The NetworkPolicy enforcer (hack/tools/netpol: sigs.k8s.io/kube-network-policies as a
+# library) likewise.
+NETPOL_SRC="$HERE/tools/netpol"
+netpol_version() {
+  (cd "$NETPOL_SRC" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
 }
 
 log() { printf '[build-binaries %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -57,6 +64,7 @@ binaries_of() {
     k8s) echo "${K8S_BINARIES[@]}" ;;
     coredns) echo coredns ;;
     health) echo health ;;
+    netpol) echo netpol ;;
   esac
 }
 
@@ -282,8 +290,18 @@ build_health() {
   finish health
 }
 
+# The NetworkPolicy enforcer for the local cluster (hack/localcluster/netpol.py); `make test`
+# builds it with the cluster's binaries, for tests/operator/test_network_policy.py.
+build_netpol() {
+  begin netpol || return 0
+  local d; d="$(dir_of netpol)"
+  (cd "$NETPOL_SRC" && go build -mod=readonly -p "$GO_P" -trimpath -ldflags "-s -w" -o "$d/bin.tmp/netpol" .)
+  rm -rf "$d/src"
+  finish netpol
+}
+
 if [[ "${1:-}" == "--print-dirs" ]]; then
-  for c in k8s etcd helm minio kwok coredns kueue health; do echo "$c=$(dir_of "$c")"; done
+  for c in k8s etcd helm minio kwok coredns kueue health netpol; do echo "$c=$(dir_of "$c")"; done
   exit 0
 fi
 

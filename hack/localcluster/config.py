@@ -7,6 +7,7 @@ lifecycle test does.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import os
 from pathlib import Path
@@ -37,8 +38,23 @@ def cache_dir() -> Path:
     return cache_root()
 
 
+# This repository's own Go tools (hack/tools/<name>): keyed by their sources, not a version.
+OWN_TOOLS = ("health", "netpol")
+
+
+def own_tool_key(name: str) -> str:
+    """What build-binaries.sh names the cache of hack/tools/<name> by: the first 12 hex digits
+    of the sha256 of go.mod, go.sum and the .go files, in that order (`cat ... | sha256sum`)."""
+    src = HACK / "tools" / name
+    data = b"".join(f.read_bytes() for f in (src / "go.mod", src / "go.sum", *sorted(src.glob("*.go"))))
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
 def bin_dir(component: str) -> Path:
-    """The cached bin/ directory of one component (k8s, etcd, helm, minio, kwok, coredns, kueue)."""
+    """The cached bin/ directory of one component (k8s, etcd, helm, minio, kwok, coredns, kueue,
+    and the own tools health and netpol)."""
+    if component in OWN_TOOLS:
+        return cache_dir() / f"{component}-{own_tool_key(component)}" / "bin"
     key = {"k8s": "K8S_VERSION", "etcd": "ETCD_VERSION", "helm": "HELM_VERSION",
            "minio": "MINIO_VERSION", "kwok": "KWOK_VERSION", "kueue": "KUEUE_VERSION",
            "coredns": "COREDNS_VERSION"}[component]

@@ -242,3 +242,16 @@ def test_the_heartbeat_runs_on_an_interpreter_without_the_project_dependencies(t
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "ran"
+
+
+def test_every_component_is_found_where_build_binaries_puts_it():
+    """The heartbeat and netpol.py find a cache by C.bin_dir; build-binaries.sh writes it. The
+    own tools (health, netpol) are keyed by a hash of their sources, computed on both sides:
+    a mismatch would mean `make test`'s prepare built the enforcer where the test never looks,
+    and built it again on the critical path."""
+    out = subprocess.run([str(C.HACK / "build-binaries.sh"), "--print-dirs"], capture_output=True, text=True,
+                         check=True).stdout
+    dirs = dict(line.split("=", 1) for line in out.split())
+    assert set(dirs) >= {"k8s", "etcd", "helm", "minio", "kwok", "coredns", "kueue", *C.OWN_TOOLS}
+    for name, path in dirs.items():
+        assert C.bin_dir(name).parent == Path(path), name
