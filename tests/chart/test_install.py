@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -35,6 +34,7 @@ from tests.fixtures.cluster import wait_for
 
 from .chart_kit import CHART, CRD_SOURCE, REPO, render_text
 from .rbac_needs import NEEDS, ProbeContext, refused, sa_kube
+from .upgrade_kit import UPGRADE_JOB_STEPS, Readings, gang, upgrade_mid_run, upgraded_chart
 
 pytestmark = pytest.mark.cluster
 EXAMPLE = REPO / "examples" / "sftjob.yaml"
@@ -145,8 +145,10 @@ def test_misspelled_value_fails_helm_install(cluster, namespace):
 @pytest.mark.timeout(1500)
 def test_install_runs_example_upgrade_and_uninstall(cluster, namespace, system_ns, shared_crd, tmp_path):
     """Acceptance 2 and 3: helm install; the operator (as the chart's ServiceAccount) drives
-    examples/sftjob.yaml to Succeeded; helm upgrade to a chart whose CRD has a new field;
-    helm uninstall leaves no operator resource and keeps the CRD."""
+    examples/sftjob.yaml to Succeeded; while it trains, helm upgrade to a new operator image
+    tag, a changed value and a chart whose CRD has a new field, and the job is neither
+    restarted nor loses a step (issue 28 item 7); helm uninstall leaves no operator resource
+    and keeps the CRD."""
     release, jobs_ns = f"e2e-{uuid.uuid4().hex[:4]}", namespace
     restrict(cluster, jobs_ns)
     try:
@@ -173,17 +175,53 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
     assert any(v.get("projected") for v in op["spec"]["volumes"]), "no projected ServiceAccount token"
 
     def op_log() -> str:
-        return cluster.pod_log(system_ns, op_name, "operator")
+        """The log of the replica that leads now (the first one until the upgrade replaced it)."""
+        now = operator_pod(cluster, system_ns, release)
+        return cluster.pod_log(system_ns, now["metadata"]["name"] if now else op_name, "operator")
 
+    path = f"/apis/sftjob.io/v1alpha1/namespaces/{jobs_ns}/sftjobs/tiny-lora"
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "assets.py"), "--namespace", jobs_ns],
+                         capture_output=True, text=True, env={**os.environ, **cluster.env}, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # The example, trained long enough for an operator upgrade to land in the middle of it.
+    cluster.kubectl("-n", jobs_ns, "apply", "-f", "-",
+                    input=json.dumps(example("tiny-lora", training={**yaml.safe_load(EXAMPLE.read_text())["spec"][
+                        "training"], "totalTrainingSteps": UPGRADE_JOB_STEPS})))
+    readings = Readings(lambda: cluster.kube.get(path))
+    readings.start()
     try:
-        run = subprocess.run([sys.executable, str(REPO / "examples" / "assets.py"), "--namespace", jobs_ns],
-                             capture_output=True, text=True, env={**os.environ, **cluster.env}, timeout=600)
-        assert run.returncode == 0, run.stdout + run.stderr
-        cluster.kubectl("-n", jobs_ns, "apply", "-f", str(EXAMPLE))
-        path = f"/apis/sftjob.io/v1alpha1/namespaces/{jobs_ns}/sftjobs/tiny-lora"
-        job = wait_for(lambda: (j := cluster.kube.get(path)).get("status", {}).get("phase") in ("Succeeded", "Failed")
-                       and j, 900, interval=1, what="the example to finish")
-        assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:] + op_log()[-3000:]
+        try:
+            wait_for(lambda: (readings.last.get("progress") or {}).get("step", 0) >= 2, 600, interval=1,
+                     what="the example to train its first steps")
+            before = gang(cluster, jobs_ns)
+            new_chart = upgraded_chart(tmp_path)
+            # The new field is refused before the upgrade, accepted after it (below).
+            probe = example("upgrade-probe", suspend=True)
+            probe["spec"]["resources"]["upgradeProbe"] = "x"
+            res = cluster.kubectl("-n", jobs_ns, "apply", "-f", "-", input=json.dumps(probe), check=False)
+            assert res.returncode != 0 and 'unknown field "spec.resources.upgradeProbe"' in res.stderr, res.stderr
+            takeover = upgrade_mid_run(cluster, release, system_ns, new_chart, op_name,
+                                       lambda: operator_pod(cluster, system_ns, release))
+            during = readings.last
+            assert during.get("phase") == "Running" and during["progress"]["step"] < UPGRADE_JOB_STEPS, (
+                f"the upgrade must land while the job trains: {json.dumps(during)}")
+            job = wait_for(lambda: (j := cluster.kube.get(path)).get("status", {}).get("phase")
+                           in ("Succeeded", "Failed") and j, 900, interval=1, what="the example to finish")
+            assert job["status"]["phase"] == "Succeeded", json.dumps(job["status"])[-2000:] + op_log()[-3000:]
+            # Not restarted, no step lost: the gang that finished is the one that trained before
+            # the upgrade, and the new operator carried its progress on.
+            assert gang(cluster, jobs_ns) == before, "the upgrade replaced the job's pods"
+            status = job["status"]
+            assert status.get("restarts", {}).get("total", 0) == 0, status.get("restarts")
+            assert status.get("attempt") == during.get("attempt"), (status.get("attempt"), during.get("attempt"))
+            assert status["progress"]["step"] == UPGRADE_JOB_STEPS
+            assert not status["progress"].get("stepsLost"), status["progress"]
+            after = [r for r in readings.all if r["at"] > takeover and r["status"].get("progress")]
+            assert any(r["status"]["progress"]["step"] > during["progress"]["step"] for r in after), (
+                "no step was reported by the upgraded operator")
+            print(readings.eta_report(UPGRADE_JOB_STEPS))
+        finally:
+            readings.stop()
         # jobNetworkPolicy (on by default): the job's ranks accept only each other, and the
         # metrics port only this operator's pods.
         policy = cluster.kube.get(f"/apis/networking.k8s.io/v1/namespaces/{jobs_ns}/networkpolicies/tiny-lora-ranks")
@@ -196,11 +234,11 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
         raise AssertionError(f"{err}\noperator log:\n{op_log()[-4000:]}") from None
     # The chart's operator did the work with its in-cluster credentials: its metrics (scraped
     # from its pod IP) count the job Succeeded, which it learns only by listing the job and
-    # its pods and writing the status. (Which replica created the pods is not asserted: on a
-    # loaded machine a leader that misses its renew deadline restarts and hands over, and
-    # its counters restart with it.)
+    # its pods and writing the status: the upgraded replica, since the job finished after the
+    # upgrade. (Which replica created the pods is not asserted: on a loaded machine a leader
+    # that misses its renew deadline restarts and hands over, and its counters restart with it.)
     def leader_metrics() -> str:
-        """The metrics of the replica that leads now (the one picked above, or its successor)."""
+        """The metrics of the replica that leads now."""
         op = operator_pod(cluster, system_ns, release)
         with urllib.request.urlopen(f"http://{op['status']['podIP']}:8080/metrics", timeout=5) as resp:
             return resp.read().decode()
@@ -208,6 +246,7 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
     wait_for(lambda: 'sftjob_operator_jobs{phase="Succeeded"} 1.0' in leader_metrics(), 90,
              what="the chart's operator to count the job Succeeded")
     log = op_log()
+    assert log.lstrip().startswith("{"), "the upgrade's operator.logFormat=json did not reach the operator"
     # The only refusal is the one the namespace-scoped role means: kopf may not list
     # namespaces, retries, then uses the given names (see the chart README).
     refusals = [line for line in log.splitlines() if "Forbidden" in line or "permissions" in line]
@@ -226,31 +265,11 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
             assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert {p["spec"]["containers"][0]["image"] for p in pods["items"]} == {TRAINER_IMAGE}
 
-    # --- upgrade: a chart whose CRD has one more optional field -----------------------
-    probe = example("upgrade-probe", suspend=True)
-    probe["spec"]["resources"]["upgradeProbe"] = "x"
-    res = cluster.kubectl("-n", jobs_ns, "apply", "-f", "-", input=json.dumps(probe), check=False)
-    assert res.returncode != 0 and 'unknown field "spec.resources.upgradeProbe"' in res.stderr, res.stderr
-    new_chart = tmp_path / "sftjob-operator"
-    shutil.copytree(CHART, new_chart)
-    crd_file = new_chart / "files" / "sftjob.io_sftjobs.yaml"
-    crd = yaml.safe_load(crd_file.read_text())
-    for version in crd["spec"]["versions"]:
-        version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["resources"]["properties"][
-            "upgradeProbe"] = {"type": "string", "description": "A field added by the upgrade test."}
-    crd_file.write_text(yaml.safe_dump(crd, sort_keys=False))
-    meta = yaml.safe_load((new_chart / "Chart.yaml").read_text())
-    meta["version"] = "0.1.1-upgradetest"
-    (new_chart / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
-    cluster.helm("upgrade", release, str(new_chart), "-n", system_ns, "--reuse-values", "--wait", "--timeout", "180s")
+    # --- the upgraded CRD: its new optional field is accepted -------------------------
     wait_for(lambda: cluster.kubectl("-n", jobs_ns, "apply", "-f", "-", input=json.dumps(probe), check=False)
              .returncode == 0, 30, what="the upgraded CRD to accept the new field")
     assert cluster.kube.get(f"/apis/sftjob.io/v1alpha1/namespaces/{jobs_ns}/sftjobs/upgrade-probe")["spec"][
         "resources"]["upgradeProbe"] == "x"
-    new_op = wait_for(lambda: (p := operator_pod(cluster, system_ns, release))
-                      and p["metadata"]["labels"]["helm.sh/chart"].endswith("upgradetest") and p,
-                      120, what="the upgraded operator pod")
-    assert new_op["metadata"]["name"] != op_name
 
     # --- uninstall: no operator resource left; CRD and jobs kept (crds.keep) ----------
     cluster.helm("uninstall", release, "-n", system_ns, "--wait", "--timeout", "120s")
