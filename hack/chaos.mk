@@ -1,5 +1,5 @@
 # Fault injection and operator scale (included by the top Makefile: -include hack/chaos.mk).
-#   make chaos                         # 12 seeded faults of 6 kinds against one real job, then an
+#   make chaos                         # 12 seeded faults of 9 kinds against one real job, then an
 #                                      # elastic job through a node lost for minutes (node-lost-long)
 #   make chaos CHAOS_ARGS="--elastic only"   # the elastic part alone (about 15 minutes)
 #   make chaos CHAOS_SEED=7 CHAOS_ARGS="--faults 4 --kinds pod-delete,trainer-sigkill,operator-kill --min-kinds 3"
@@ -12,7 +12,7 @@ BENCH_OPERATOR_ARGS ?=
 
 .PHONY: chaos bench-operator
 
-chaos: install ## Seeded faults (pod kills, SIGKILL, operator kills, MinIO outage, node loss) on a real job; weights must match a clean run bit for bit; then an elastic job shrinks and grows back through a long node loss, bit for bit too
+chaos: install ## Seeded faults (pod kills, SIGKILL, operator kills and outage, MinIO outage, S3 throttling, node loss) on a real job; weights must match a clean run bit for bit; then an elastic job shrinks and grows back through a long node loss, bit for bit too
 	OMP_NUM_THREADS=1 $(PY) -m hack.chaos --seed $(CHAOS_SEED) --faults $(CHAOS_FAULTS) $(CHAOS_ARGS)
 
 bench-operator: install ## Operator at scale: BENCH_JOBS (1000) SFTJobs x 2 pods on 22 kwok nodes; latency, RSS, scrape load vs targets

@@ -14,6 +14,14 @@ Every fault acts the way the real thing would reach the system, through the same
 | operator-kill-all| every operator pod force-deleted at once (both replicas)            | none                 |
 | minio-outage     | MinIO stopped just before a checkpoint is due, restarted seconds    | none (the upload is  |
 |                  | later, so the checkpoint upload runs into the outage                | retried)             |
+| s3-throttle-commit | a fraction of uploads (PUT, POST) answered `503 SlowDown` by the  | none (retried; the   |
+|                  | S3 proxy (s3proxy.py) for a while, from just before a checkpoint    | commit lands)        |
+| s3-throttle-download | a fraction of reads (GET, HEAD) answered `503 SlowDown` while a | 1 preemption         |
+|                  | training pod is deleted and the new gang downloads its model and    |                      |
+|                  | checkpoint, until it reports progress                               |                      |
+| operator-down-long | the operator scaled to 0 for longer than the job's progress     | none (the deadline   |
+|                  | deadline while the job trains, then back                            | runs from when it    |
+|                  |                                                                     | could see progress)  |
 
 Pods run in containers on the local cluster's real nodes (kubelet + containerd): a SIGKILL
 goes to every process of the trainer container through its node's containerd.
@@ -32,6 +40,8 @@ from hack.localcluster import realnodes
 from hack.localcluster.credentials import ensure_secrets
 from hack.localcluster.kube import ApiError
 
+from .s3proxy import ThrottlingProxy
+
 PREEMPTION = "preemption"
 
 # kind -> (expected restart cause or None, one-line description of the effect)
@@ -42,6 +52,9 @@ KINDS: dict[str, tuple[str | None, str]] = {
     "operator-kill": (None, "no restart; the job carries on"),
     "operator-kill-all": (None, "no restart; the job carries on"),
     "minio-outage": (None, "no restart; the checkpoint upload is retried"),
+    "s3-throttle-commit": (None, "no restart; the commit is retried through 503 SlowDown and lands"),
+    "s3-throttle-download": (PREEMPTION, "1 preemption; the new gang loads through 503 SlowDown"),
+    "operator-down-long": (None, "no restart: the progress deadline counts only what the operator saw"),
     # Not in the default set: a deterministic reproduction of a race (see OPT_IN).
     "sigkill-unwatched": (PREEMPTION, "exit 137 while no operator runs: 1 preemption"),
 }
@@ -52,6 +65,10 @@ KINDS: dict[str, tuple[str | None, str]] = {
 # after plain trainer-sigkill faults.
 OPT_IN = {"sigkill-unwatched"}
 RESTARTING = {k for k, (cause, _) in KINDS.items() if cause}
+# Kinds that go through the S3 proxy (the job's endpoint is the proxy's whenever they may run).
+THROTTLING = {"s3-throttle-commit", "s3-throttle-download"}
+# Kinds timed to the step before a checkpoint is due, so that its upload meets the fault.
+AT_COMMIT = {"minio-outage", "s3-throttle-commit"}
 
 
 @dataclass
@@ -109,10 +126,14 @@ class Injector:
     `release` in `system_ns` (its pods are found by label, so 1 or 2 replicas both work)."""
 
     def __init__(self, cfg, kube, ns: str, job: str, system_ns: str, release: str, rng,
-                 minio_outage_s: float = 6.0, log: Callable[[str], None] = print):
+                 minio_outage_s: float = 6.0, log: Callable[[str], None] = print,
+                 proxy: ThrottlingProxy | None = None, throttle_fraction: float = 0.5, throttle_s: float = 20.0,
+                 operator_down_s: float = 120.0, effect_timeout: float = 240.0):
         self.cfg, self.kube, self.ns, self.job = cfg, kube, ns, job
         self.system_ns, self.release, self.rng = system_ns, release, rng
         self.minio_outage_s = minio_outage_s
+        self.proxy, self.throttle_fraction, self.throttle_s = proxy, throttle_fraction, throttle_s
+        self.operator_down_s, self.effect_timeout = operator_down_s, effect_timeout
         self.log = log
         self.lost_nodes: list[str] = []
 
@@ -204,19 +225,25 @@ class Injector:
         running = {p["metadata"]["name"] for p in self.operators_running()}
         return len(running) >= len(before) and not running & set(victims)
 
-    def _sigkill_unwatched(self, f: Fault, attempt: int) -> None:
+    def _operator_scale(self) -> tuple[str, int]:
+        """(the operator Deployment's scale subresource, its replicas now)."""
         deps = self.kube.get(f"/apis/apps/v1/namespaces/{self.system_ns}/deployments",
                              labelSelector=f"app.kubernetes.io/instance={self.release}")["items"]
-        dep = deps[0]["metadata"]["name"]
-        path = f"/apis/apps/v1/namespaces/{self.system_ns}/deployments/{dep}/scale"
-        replicas = self.kube.get(path)["spec"].get("replicas", 1)
-        pod = self._pick_training_pod(attempt)
+        path = f"/apis/apps/v1/namespaces/{self.system_ns}/deployments/{deps[0]['metadata']['name']}/scale"
+        return path, self.kube.get(path)["spec"].get("replicas", 1)
+
+    def _stop_operator(self, path: str) -> None:
         self.kube.merge_patch(path, {"spec": {"replicas": 0}})
+        # Failed pods of earlier kills (node loss) stay as objects: wait for no running one.
+        wait_for(lambda: not [p for p in self.operator_pods()
+                              if (p.get("status") or {}).get("phase") in ("Pending", "Running")],
+                 120, "the operator pods to stop")
+
+    def _sigkill_unwatched(self, f: Fault, attempt: int) -> None:
+        path, replicas = self._operator_scale()
+        pod = self._pick_training_pod(attempt)
         try:
-            # Failed pods of earlier kills (node loss) stay as objects: wait for no running one.
-            wait_for(lambda: not [p for p in self.operator_pods()
-                                  if (p.get("status") or {}).get("phase") in ("Pending", "Running")],
-                     120, "the operator pods to stop")
+            self._stop_operator(path)
             f.t = time.time()
             killed = sigkill_pod(self.cfg, pod)
             peers = [p for p in self.job_pods(attempt) if p["metadata"]["name"] != pod["metadata"]["name"]]
@@ -229,6 +256,56 @@ class Injector:
         f.target = pod["metadata"]["name"]
         f.detail = (f"operator scaled to 0, SIGKILL container {', '.join(killed)}, peers ended, "
                     f"operator scaled back to {replicas}")
+
+    def _operator_down_long(self, f: Fault, attempt: int) -> None:
+        path, replicas = self._operator_scale()
+        f.extra["operators_before"] = [p["metadata"]["name"] for p in self.operators_running()]
+        f.t = time.time()
+        try:
+            self._stop_operator(path)
+            time.sleep(self.operator_down_s)
+        finally:
+            self.kube.merge_patch(path, {"spec": {"replicas": replicas}})
+        f.target = "operator"
+        f.detail = f"operator scaled to 0 for {time.time() - f.t:.0f}s (longer than the job's progress deadline)"
+        f.extra["victims"] = f.extra["operators_before"]
+
+    def _throttled(self, f: Fault, methods: set[str], during: Callable[[], str]) -> None:
+        """Run `during` (returns what it did) with `methods` throttled; count what was refused."""
+        if self.proxy is None:
+            raise RuntimeError(f"{f.kind} needs the S3 proxy (the job's endpoint must be the proxy's)")
+        before = dict(self.proxy.counts)
+        with self.proxy.throttled(self.throttle_fraction, methods):
+            what = during()
+        refused = self.proxy.counts["throttled"] - before["throttled"]
+        total = refused + self.proxy.counts["passed"] - before["passed"]
+        f.extra["throttled"] = refused
+        f.target = "S3 " + "/".join(sorted(methods))
+        f.detail = f"{what}; {refused} of {total} requests answered 503 SlowDown"
+
+    def _s3_throttle_commit(self, f: Fault, attempt: int) -> None:
+        f.t = time.time()
+
+        def window() -> str:
+            time.sleep(self.throttle_s)
+            return f"uploads throttled {self.throttle_s:g}s"
+
+        self._throttled(f, {"PUT", "POST"}, window)
+
+    def _s3_throttle_download(self, f: Fault, attempt: int) -> None:
+        pod = self._pick_training_pod(attempt)
+        name = pod["metadata"]["name"]
+        job = f"/apis/sftjob.io/v1alpha1/namespaces/{self.ns}/sftjobs/{self.job}"
+
+        def preempt_and_reload() -> str:
+            f.t = time.time()
+            self.kube.delete(f"/api/v1/namespaces/{self.ns}/pods/{name}")
+            # The new gang has loaded its model and checkpoint once the operator reads its progress.
+            wait_for(lambda: ((self.kube.get(job).get("status") or {}).get("progress") or {})
+                     .get("readingAttempt", -1) > attempt, self.effect_timeout, "the new gang to train")
+            return f"DELETE pods/{name}, reads throttled until the new gang trained ({time.time() - f.t:.0f}s)"
+
+        self._throttled(f, {"GET", "HEAD"}, preempt_and_reload)
 
     def _minio_outage(self, f: Fault, attempt: int) -> None:
         f.t = time.time()

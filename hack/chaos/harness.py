@@ -21,6 +21,7 @@ from hack.localcluster.kube import ApiError, Kube, ensure_namespace
 from hack.localcluster.logtap import LogTap
 
 from .faults import Injector, wait_for
+from .s3proxy import ThrottlingProxy
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "sftjob.yaml"
@@ -43,6 +44,7 @@ class Ctx:
         self.kubectl_bin = str(localcluster.bin_dir("k8s") / "kubectl")
         self.helm_bin = str(localcluster.bin_dir("helm") / "helm")
         self.tap: LogTap | None = None
+        self.proxy: ThrottlingProxy | None = None   # the S3 proxy, when throttling faults may run
         import boto3
 
         e = self.env
@@ -126,6 +128,10 @@ def manifest(args: argparse.Namespace, name: str) -> dict[str, Any]:
     spec["checkpoint"] = {"interval": args.interval, "keep": args.keep}
     spec["runPolicy"].update(restartBackoffSeconds=0, preemptionLimit=1000, backoffLimit=5,
                              ttlSecondsAfterFinished=3600)
+    if getattr(args, "s3_endpoint", None):   # the throttling proxy (s3proxy.py)
+        spec["storage"]["endpoint"] = args.s3_endpoint
+    if "operator-down-long" in args.kinds:   # the watchdog an operator outage must not trip
+        spec["runPolicy"]["progressDeadlineSeconds"] = args.progress_deadline
     obj["metadata"]["labels"]["sftjob.io/chaos-spec"] = spec_hash(obj)
     return obj
 

@@ -26,8 +26,11 @@ def attribute(faults: list[Fault], mon: Monitor, end: dict) -> None:
         exp = {"preemptions": 1 if f.expected_cause == PREEMPTION else 0, "failures": 0}
         f.ok = d == exp
         parts = [f"preemptions +{d['preemptions']}", f"failures +{d['failures']}"]
-        if f.kind.startswith("operator-kill"):
+        if f.kind.startswith("operator-kill") or f.kind == "operator-down-long":
             parts.append(f"operator back ({len(f.extra.get('operators_after', []))} pods, new ones)")
+        if "throttled" in f.extra:   # a throttling fault that refused nothing tested nothing
+            parts.append(f"{f.extra['throttled']} requests throttled")
+            f.ok = f.ok and f.extra["throttled"] > 0
         f.observed = ", ".join(parts)
         # why the operator restarted the gang (the Restarting condition's message at the time)
         reasons = []

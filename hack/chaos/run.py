@@ -31,13 +31,14 @@ from typing import Any
 from hack.localcluster.kube import ApiError
 from hack.localcluster.logtap import LogTap
 
-from .faults import KINDS, OPT_IN, Fault, Injector, wait_for
+from .faults import KINDS, OPT_IN, THROTTLING, Fault, Injector, wait_for
 from .harness import (JOBS, REPO, Ctx, delete_jobs, install_operator, make_assets, manifest, say, spec_hash,
                       wait_finished)
 from .elastic import run_elastic
 from .monitor import Monitor
 from .report import rank0_log, report_checkpoints, report_faults, report_restarts, report_weights
 from .runner import plan_kinds, rank0_step, run_faulty
+from .s3proxy import ThrottlingProxy
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +55,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="training steps (default: interval x (6 x faults + 4), plus what each node-lost fault "
                         "lets pass at the speed the reference run measured)")
     p.add_argument("--minio-outage", type=float, default=6.0, help="seconds MinIO stays stopped")
+    p.add_argument("--throttle-fraction", type=float, default=0.5,
+                   help="share of S3 requests answered 503 SlowDown by the s3-throttle faults (default 0.5)")
+    p.add_argument("--throttle-seconds", type=float, default=20.0,
+                   help="how long s3-throttle-commit throttles uploads (default 20)")
+    p.add_argument("--progress-deadline", type=int, default=90,
+                   help="the job's runPolicy.progressDeadlineSeconds when operator-down-long may run; the operator "
+                        "stays away 30 s longer (default 90)")
+    p.add_argument("--s3-proxy-port", type=int, default=9100,
+                   help="port of the throttling S3 proxy on the cluster bridge's host address (default 9100)")
     p.add_argument("--namespace", default="sftjob-chaos")
     p.add_argument("--system-namespace", default="sftjob-chaos-system")
     p.add_argument("--release", default="sftjob-chaos")
@@ -99,15 +109,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 # where a job of the old length finished before its 12th fault). Budgeted with room.
 NODE_LOST_S = 45.0
 NODE_LOST_MIN_STEPS = 30  # budgeted before the speed is known: a slow machine needs no rerun
+SPEED_GUESS = 2.0         # steps/s assumed for idle time before the reference run measured it
 
 
-def calibrated_steps(base: int, interval: int, node_losses: int, steps_per_s: float | None) -> int:
+def calibrated_steps(base: int, interval: int, node_losses: int, steps_per_s: float | None,
+                     idle_s: float = 0.0) -> int:
     """Training steps for a fault plan: BASE plus, per node-lost fault, the steps that pass
     while the lost node turns NotReady (NODE_LOST_S at the measured speed, at least
-    NODE_LOST_MIN_STEPS), rounded up to whole checkpoint intervals."""
+    NODE_LOST_MIN_STEPS), plus the steps that pass in IDLE_S seconds of faults the job
+    trains through (an operator away, throttling windows; at SPEED_GUESS before the speed is
+    measured), rounded up to whole checkpoint intervals."""
     per_loss = max(NODE_LOST_MIN_STEPS, math.ceil(NODE_LOST_S * (steps_per_s or 0.0)))
-    steps = base + node_losses * per_loss
+    steps = base + node_losses * per_loss + math.ceil(idle_s * (steps_per_s or SPEED_GUESS))
     return -(-steps // interval) * interval
+
+
+def idle_seconds(plan: list[str], args: argparse.Namespace) -> float:
+    """Seconds of the plan's faults during which the job trains on, unwatched by the harness."""
+    per_kind = {"operator-down-long": args.progress_deadline + 30, "s3-throttle-commit": args.throttle_seconds,
+                "s3-throttle-download": args.throttle_seconds}
+    return float(sum(per_kind.get(k, 0.0) for k in plan))
 
 
 class StepClock:
@@ -163,9 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(args)
     # the plan is drawn first (the faulty run gets it): its node losses set the job's length
     plan = plan_kinds(rng, args.kinds, args.faults)
-    node_losses = plan.count("node-lost")
+    node_losses, idle_s = plan.count("node-lost"), idle_seconds(plan, args)
+    if THROTTLING & set(args.kinds):   # the jobs reach S3 through the proxy from the start
+        ctx.proxy = ThrottlingProxy(ctx.cfg.s3_endpoint, (ctx.cfg.host_ip, args.s3_proxy_port), seed=args.seed)
+        ctx.proxy.start()
+        args.s3_endpoint = ctx.proxy.endpoint
+        say(f"S3 through the throttling proxy {ctx.proxy.endpoint} (to {ctx.cfg.s3_endpoint})")
     if not args.fixed_steps:
-        args.steps = calibrated_steps(args.steps, args.interval, node_losses, None)
+        args.steps = calibrated_steps(args.steps, args.interval, node_losses, None, idle_s)
     if not args.skip_install:
         install_operator(ctx)
     make_assets(ctx)
@@ -192,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"reference job {args.namespace}/{ref_name}: {args.steps} steps, checkpoint every {args.interval}, "
             f"keep {args.keep}, S3 output; no faults")
         ref, speed = run_reference(ctx, ref_name, ref_obj)
-        need = calibrated_steps(args.base_steps, args.interval, node_losses, speed)
+        need = calibrated_steps(args.base_steps, args.interval, node_losses, speed, idle_s)
         if not args.fixed_steps and need > args.steps and ref["status"].get("phase") == "Succeeded":
             say(f"reference: {speed:.1f} steps/s, so the plan's {node_losses} node loss(es) would let the job "
                 f"finish before its last fault; again with {need} steps")

@@ -9,7 +9,7 @@ import urllib.request
 
 from sftjob_contract.metrics import STEP
 
-from .faults import RESTARTING, Fault, Injector, minio_live, minio_start, wait_for
+from .faults import AT_COMMIT, RESTARTING, Fault, Injector, minio_live, minio_start, wait_for
 from .harness import METRICS_PORT, Ctx, restarts, say
 from .monitor import Monitor
 
@@ -49,7 +49,9 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
     """Inject the planned KINDS (plan_kinds) into job NAME, one after the other."""
     a = ctx.args
     inj = Injector(ctx.cfg, ctx.kube, a.namespace, name, a.system_namespace, a.release, rng,
-                   minio_outage_s=a.minio_outage, log=say)
+                   minio_outage_s=a.minio_outage, log=say, proxy=ctx.proxy, throttle_fraction=a.throttle_fraction,
+                   throttle_s=a.throttle_seconds, operator_down_s=a.progress_deadline + 30,
+                   effect_timeout=a.effect_timeout)
     say(f"fault plan (seed {a.seed}): {', '.join(kinds)}")
     faults: list[Fault] = []
     last_ckpt = None
@@ -71,13 +73,13 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
                 break
             st = mon.snapshot()
             attempt, newest = st.get("attempt", 0), mon.newest_committed()
-            # 2. a seeded random step within the next interval (MinIO: the step before the
-            #    next checkpoint, so that its upload runs into the outage)
-            if kind == "minio-outage":
+            # 2. a seeded random step within the next interval (MinIO outage, upload throttling:
+            #    the step before the next checkpoint, so that its upload runs into the fault)
+            if kind in AT_COMMIT:
                 target = (newest // a.interval + 1) * a.interval - 1
-                if target + a.interval >= a.steps:  # the final checkpoint must not meet the outage
-                    kind = rng.choice([k for k in a.kinds if k != "minio-outage"] or ["operator-kill"])
-                    say(f"fault {i + 1}: too close to the end for a MinIO outage; {kind} instead")
+                if target + a.interval >= a.steps:  # the final checkpoint must not meet the fault
+                    kind = rng.choice([k for k in a.kinds if k not in AT_COMMIT] or ["operator-kill"])
+                    say(f"fault {i + 1}: too close to the end for a fault at a commit; {kind} instead")
                     target = newest + rng.randint(0, a.interval - 1)
             else:
                 target = newest + rng.randint(0, a.interval - 1)
@@ -95,7 +97,7 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
             if mon.snapshot().get("phase") in ("Succeeded", "Failed"):
                 say(f"the job finished before fault {i + 1}: {len(faults)} injected")
                 break
-            if kind != "minio-outage":
+            if kind not in AT_COMMIT:
                 time.sleep(rng.uniform(0.0, 1.0))
             f = Fault(index=i + 1, kind=kind, at_step=step)
             f.extra["restarts_before"] = restarts(mon.snapshot())
@@ -112,7 +114,7 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
                 if kind == "node-lost":
                     time.sleep(1.0)
                     inj.restore_nodes()
-            elif kind.startswith("operator-kill"):
+            elif kind.startswith("operator-kill") or kind == "operator-down-long":
                 wait_for(lambda: inj.operators_recovered(f.extra["operators_before"], f.extra["victims"]),  # noqa: B023 - polled now
                          a.effect_timeout,
                          "the operator pods to come back")

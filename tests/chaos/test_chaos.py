@@ -78,6 +78,41 @@ def test_restarts_are_attributed_to_the_fault_before_them():
 
 
 @pytest.mark.unit
+def test_a_throttling_fault_that_refused_nothing_fails():
+    """A throttling window no request fell into tested nothing, even with the restarts right."""
+    from hack.chaos.faults import Fault
+    from hack.chaos.report import attribute
+
+    class Mon:
+        samples: list = []
+
+    none = {"preemptions": 0, "failures": 0}
+    f1 = Fault(1, "s3-throttle-commit", t=1.0, extra={"restarts_before": none, "throttled": 0})
+    f2 = Fault(2, "s3-throttle-commit", t=2.0, extra={"restarts_before": none, "throttled": 5})
+    f3 = Fault(3, "s3-throttle-download", t=3.0, extra={"restarts_before": none, "throttled": 9})
+    attribute([f1, f2, f3], Mon(), {"restarts": {"preemptions": 1, "failures": 0, "total": 1}})
+    assert not f1.ok and "0 requests throttled" in f1.observed
+    assert f2.ok and f3.ok and "9 requests throttled" in f3.observed
+
+
+@pytest.mark.unit
+def test_a_job_is_long_enough_for_the_time_it_trains_unwatched():
+    """An operator away for longer than the progress deadline (120 s) lets ~430 steps pass at
+    3.6 steps/s: the job must outlast it, or the fault after it finds the job done."""
+    import argparse
+
+    from hack.chaos.run import SPEED_GUESS, calibrated_steps, idle_seconds
+
+    args = argparse.Namespace(progress_deadline=90, throttle_seconds=20.0)
+    idle = idle_seconds(["pod-delete", "operator-down-long", "s3-throttle-commit"], args)
+    assert idle == 120 + 20
+    base = 2 * (6 * 12 + 4)
+    assert calibrated_steps(base, 2, 0, 3.6, idle) == base + 504                  # 140 s x 3.6, rounded up
+    assert calibrated_steps(base, 2, 0, None, idle) == base + int(140 * SPEED_GUESS)
+    assert calibrated_steps(base, 2, 0, 3.6, 0.0) == base
+
+
+@pytest.mark.unit
 def test_elastic_run_is_held_to_the_reference_bit_for_bit():
     """The elastic chaos check: the same samples at every step, no epoch repeating one, every
     loss equal; a skipped, repeated or reordered sample or a loss off in the last bit fails."""
