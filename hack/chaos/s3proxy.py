@@ -120,6 +120,12 @@ def _handler(proxy: ThrottlingProxy) -> type[BaseHTTPRequestHandler]:
                 conn.request(self.command, self.path, body=body or None, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+            except OSError:
+                # MinIO down (the minio-outage fault): close the client's connection without an
+                # answer, which the client retries as it would a refused connection (the server
+                # would close it after an unhandled error too, but print a traceback per request).
+                self.close_connection = True
+                return
             finally:
                 conn.close()
             self.send_response(resp.status, resp.reason)

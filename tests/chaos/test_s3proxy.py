@@ -113,3 +113,4 @@ def test_the_fraction_is_checked():
         with p.throttled(1.5):
             pass
     p.stop()
+
