@@ -32,24 +32,17 @@ dir_of() {
     kwok) echo "$CACHE/kwok-$KWOK_VERSION" ;;
     kueue) echo "$CACHE/kueue-$KUEUE_VERSION" ;;
     coredns) echo "$CACHE/coredns-$COREDNS_VERSION" ;;
-    health) echo "$CACHE/health-$(health_version)" ;;
-    netpol) echo "$CACHE/netpol-$(netpol_version)" ;;
+    health|netpol) echo "$CACHE/$1-$(own_version "$1")" ;;
     *) echo "unknown component $1" >&2; return 1 ;;
   esac
 }
 
-# The GitOps health harness (hack/tools/health) is this repository's own code: its cache is
-# keyed by a hash of its sources (its module versions are pinned in its go.mod), so an edit
-# builds a new one.
-HEALTH_SRC="$HERE/tools/health"
-health_version() {
-  (cd "$HEALTH_SRC" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
-}
-# The NetworkPolicy enforcer (hack/tools/netpol: sigs.k8s.io/kube-network-policies as a
-# library) likewise.
-NETPOL_SRC="$HERE/tools/netpol"
-netpol_version() {
-  (cd "$NETPOL_SRC" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
+# This repository's own Go tools (hack/tools/NAME: health, the GitOps health harness; netpol,
+# the NetworkPolicy enforcer) are keyed by a hash of their sources (their module versions are
+# pinned in their go.mod), so an edit builds a new one. hack/localcluster/config.py
+# (own_tool_key) computes the same key.
+own_version() {
+  (cd "$HERE/tools/$1" && cat go.mod go.sum ./*.go | sha256sum | cut -c1-12)
 }
 
 log() { printf '[build-binaries %s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
@@ -280,25 +273,22 @@ build_coredns() {
   build_tool coredns local/sftjob-cluster-tools/coredns
 }
 
+# build_own NAME: one of this repository's own Go tools, hack/tools/NAME, into its cache.
+build_own() {
+  begin "$1" || return 0
+  local d; d="$(dir_of "$1")"
+  (cd "$HERE/tools/$1" && go build -mod=readonly -p "$GO_P" -trimpath -ldflags "-s -w" -o "$d/bin.tmp/$1" .)
+  rm -rf "$d/src"
+  finish "$1"
+}
+
 # The test harness for the Argo CD, kstatus and Flux health checks (integrations/); built only
 # by the tests that use it (tests/operator/health_kit.py).
-build_health() {
-  begin health || return 0
-  local d; d="$(dir_of health)"
-  (cd "$HEALTH_SRC" && go build -mod=readonly -p "$GO_P" -trimpath -ldflags "-s -w" -o "$d/bin.tmp/health" .)
-  rm -rf "$d/src"
-  finish health
-}
+build_health() { build_own health; }
 
 # The NetworkPolicy enforcer for the local cluster (hack/localcluster/netpol.py); `make test`
 # builds it with the cluster's binaries, for tests/operator/test_network_policy.py.
-build_netpol() {
-  begin netpol || return 0
-  local d; d="$(dir_of netpol)"
-  (cd "$NETPOL_SRC" && go build -mod=readonly -p "$GO_P" -trimpath -ldflags "-s -w" -o "$d/bin.tmp/netpol" .)
-  rm -rf "$d/src"
-  finish netpol
-}
+build_netpol() { build_own netpol; }
 
 if [[ "${1:-}" == "--print-dirs" ]]; then
   for c in k8s etcd helm minio kwok coredns kueue health netpol; do echo "$c=$(dir_of "$c")"; done

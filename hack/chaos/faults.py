@@ -67,6 +67,8 @@ OPT_IN = {"sigkill-unwatched"}
 RESTARTING = {k for k, (cause, _) in KINDS.items() if cause}
 # Kinds that go through the S3 proxy (the job's endpoint is the proxy's whenever they may run).
 THROTTLING = {"s3-throttle-commit", "s3-throttle-download"}
+# operator-down-long keeps the operator away this much longer than the job's progress deadline.
+BEYOND_DEADLINE_S = 30.0
 # Kinds timed to the step before a checkpoint is due, so that its upload meets the fault.
 AT_COMMIT = {"minio-outage", "s3-throttle-commit"}
 

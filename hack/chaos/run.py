@@ -31,7 +31,7 @@ from typing import Any
 from hack.localcluster.kube import ApiError
 from hack.localcluster.logtap import LogTap
 
-from .faults import KINDS, OPT_IN, THROTTLING, Fault, Injector, wait_for
+from .faults import BEYOND_DEADLINE_S, KINDS, OPT_IN, THROTTLING, Fault, Injector, wait_for
 from .harness import (JOBS, REPO, Ctx, delete_jobs, install_operator, make_assets, manifest, say, spec_hash,
                       wait_finished)
 from .elastic import run_elastic
@@ -126,8 +126,8 @@ def calibrated_steps(base: int, interval: int, node_losses: int, steps_per_s: fl
 
 def idle_seconds(plan: list[str], args: argparse.Namespace) -> float:
     """Seconds of the plan's faults during which the job trains on, unwatched by the harness."""
-    per_kind = {"operator-down-long": args.progress_deadline + 30, "s3-throttle-commit": args.throttle_seconds,
-                "s3-throttle-download": args.throttle_seconds}
+    per_kind = {"operator-down-long": args.progress_deadline + BEYOND_DEADLINE_S,
+                "s3-throttle-commit": args.throttle_seconds, "s3-throttle-download": args.throttle_seconds}
     return float(sum(per_kind.get(k, 0.0) for k in plan))
 
 

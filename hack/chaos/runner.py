@@ -9,7 +9,7 @@ import urllib.request
 
 from sftjob_contract.metrics import STEP
 
-from .faults import AT_COMMIT, RESTARTING, Fault, Injector, minio_live, minio_start, wait_for
+from .faults import AT_COMMIT, BEYOND_DEADLINE_S, RESTARTING, Fault, Injector, minio_live, minio_start, wait_for
 from .harness import METRICS_PORT, Ctx, restarts, say
 from .monitor import Monitor
 
@@ -50,7 +50,7 @@ def run_faulty(ctx: Ctx, name: str, mon: Monitor, rng: random.Random, kinds: lis
     a = ctx.args
     inj = Injector(ctx.cfg, ctx.kube, a.namespace, name, a.system_namespace, a.release, rng,
                    minio_outage_s=a.minio_outage, log=say, proxy=ctx.proxy, throttle_fraction=a.throttle_fraction,
-                   throttle_s=a.throttle_seconds, operator_down_s=a.progress_deadline + 30,
+                   throttle_s=a.throttle_seconds, operator_down_s=a.progress_deadline + BEYOND_DEADLINE_S,
                    effect_timeout=a.effect_timeout)
     say(f"fault plan (seed {a.seed}): {', '.join(kinds)}")
     faults: list[Fault] = []
