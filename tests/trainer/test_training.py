@@ -1,6 +1,8 @@
 """End-to-end trainer runs: real processes, torchrun + gloo for 2 ranks."""
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -207,7 +209,9 @@ def test_tied_qwen2_with_dynamic_rope_trains_the_same_on_2_ranks(assets, tmp_pat
 def test_bf16_checkpointed_run_killed_resumes_exactly_from_its_time_based_checkpoint(assets, tmp_path):
     """2 ranks, bf16 (FSDP2 mixed precision) with activation checkpointing, save_freq=0 and a
     tiny save_interval_s: the run leaves committed checkpoints on its own; SIGKILLed (no stop
-    checkpoint), it resumes from the newest and the rerun's losses equal the uninterrupted run's."""
+    checkpoint), it resumes from the newest and the rerun's losses equal the uninterrupted run's.
+    A full fine-tune resumes without the base model's weights (issue 23 item 9): they are
+    deleted before the rerun, which takes every parameter from the checkpoint."""
     over = {"trainer.total_training_steps": 40, "data.micro_batch_size_per_gpu": 2, "trainer.precision": "bf16",
             "trainer.cpu_bf16_gemm": "widened", "model.gradient_checkpointing": "true", "trainer.save_freq": 0}
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
@@ -215,14 +219,19 @@ def test_bf16_checkpointed_run_killed_resumes_exactly_from_its_time_based_checkp
     assert ref.code == 0, ref.output
     assert sorted(p.name for p in (ref_out / "checkpoints").glob("step-*")) == ["step-40"]  # interval off: final only
 
-    args = runner.base_args(assets, out, **over, **{"trainer.save_interval_s": 0.001, "trainer.keep_checkpoints": 50})
+    base = tmp_path / "base"
+    shutil.copytree(assets / "model", base)
+    args = runner.base_args(assets, out, **over, **{"trainer.save_interval_s": 0.001, "trainer.keep_checkpoints": 50,
+                                                    "model.path": base})
     killed = runner.run_and_kill(args, out, after_steps=5, nproc=2)
     assert killed.code != 0
     committed = sorted(int(p.parent.name.split("-")[1]) for p in (out / "checkpoints").glob("step-*/COMMITTED"))
     assert len(committed) >= 3 and committed[-1] < 40, committed  # one after every step (each takes > 1 ms)
 
+    (base / "model.safetensors").unlink()
     resumed = runner.run(args, out, nproc=2)
     assert resumed.code == 0, resumed.output
+    assert "its weights come from the checkpoint" in resumed.output
     newest = committed[-1]
     assert f"resumed from {out / 'checkpoints' / f'step-{newest}'}" in resumed.output, resumed.output
     got = {r["step"]: r["loss"] for r in resumed.steps()}  # the file holds both attempts; later wins

@@ -26,7 +26,9 @@ What this file decides for a run:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
 import logging
 from typing import TYPE_CHECKING, cast
@@ -103,10 +105,14 @@ def apply_liger(model: nn.Module) -> None:
 
 
 def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights: bool = True,
-               precision: str = "fp32", sp: int = 1) -> nn.Module:
+               precision: str = "fp32", sp: int = 1, skeleton: bool = False) -> nn.Module:
     """The model with its pretrained weights in CPU memory, or (``weights=False``) the same
     architecture on the meta device: no memory, filled later from rank 0. With sequence
-    parallelism (``sp`` > 1) its attention is the Ulysses wrapper around the picked kernel."""
+    parallelism (``sp`` > 1) its attention is the Ulysses wrapper around the picked kernel.
+
+    ``skeleton`` (with ``weights=False``): built from the config alone in CPU memory, its
+    buffers (rotary tables) computed and its parameters allocated but not initialised, for a
+    resume that overwrites every parameter from the checkpoint."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     register_attention()
@@ -122,6 +128,12 @@ def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights:
                 attn_implementation=attn,
                 trust_remote_code=cfg.trust_remote_code,
             )
+        elif skeleton:
+            config = AutoConfig.from_pretrained(local_path, trust_remote_code=cfg.trust_remote_code)
+            with _no_init():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn,
+                                                         trust_remote_code=cfg.trust_remote_code)
+            model.tie_weights()  # skipped with the initialisation: tied embeddings stay one parameter
         else:
             config = AutoConfig.from_pretrained(local_path, trust_remote_code=cfg.trust_remote_code)
             try:
@@ -138,6 +150,17 @@ def load_model(cfg: ModelConfig, local_path: str, device: torch.device, weights:
     # KV caching is for generation only; training never uses it.
     model.config.use_cache = False
     return model
+
+
+def _no_init():
+    """transformers' context that skips the random initialisation of a model built from its
+    config (the parameters are overwritten anyway); a plain initialisation where it is missing."""
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            return importlib.import_module(where).no_init_weights()
+        except (ImportError, AttributeError):
+            continue
+    return contextlib.nullcontext()
 
 
 def apply_lora(model: nn.Module, cfg: LoraConfig) -> nn.Module:
@@ -215,12 +238,14 @@ def shard_model(model: nn.Module, world: World, precision: str = "fp32", offload
     return model
 
 
-def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World, offload: bool = False) -> None:
+def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World, offload: bool = False,
+                    params: bool = True) -> None:
     """Fill a sharded model whose non-zero ranks are still on the meta device.
 
     Parameters come from rank 0's full state dict (consumed as it goes), scattered so
     that each rank receives only its shard; buffers (persistent or not, e.g. rotary
-    frequencies) are broadcast whole.
+    frequencies) are broadcast whole. ``params=False``: buffers only (a checkpoint
+    fills the parameters next).
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -237,7 +262,7 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World, offloa
         # One parameter at a time, so no rank ever holds more than one full tensor beyond
         # its shards (torch's set_model_state_dict keeps every received tensor alive until
         # it returns: a whole extra copy of the model per rank).
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters() if params else ():
             if world.rank == 0:
                 assert full_sd is not None  # rank 0 passes its full state dict (build_model)
                 full = full_sd.pop(name).to(world.device)
@@ -256,16 +281,19 @@ def load_from_rank0(model: nn.Module, full_sd: dict | None, world: World, offloa
 
 def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, world: World,
                 widen_bf16: bool = False, precision: str = "fp32", compiled: bool = False,
-                offload: bool = False) -> nn.Module:
+                offload: bool = False, from_checkpoint: bool = False) -> nn.Module:
     """Only rank 0 reads the weights; the other ranks build the model on the meta device and
     receive their shards from rank 0 after sharding. A node's CPU memory then holds one
-    full copy of the model, not one per process (8 GPUs × a 70B model in fp32 would not fit)."""
+    full copy of the model, not one per process (8 GPUs × a 70B model in fp32 would not fit).
+
+    ``from_checkpoint`` (a full fine-tune resuming): no rank reads the weights. Rank 0 builds a
+    skeleton (load_model), only its buffers are sent, and the checkpoint fills the shards."""
     from . import dist as dist_utils
 
     model, error = None, None
     try:
-        model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0, precision=precision,
-                           sp=world.sp)
+        model = load_model(model_cfg, local_path, world.device, weights=world.rank == 0 and not from_checkpoint,
+                           precision=precision, sp=world.sp, skeleton=from_checkpoint and world.rank == 0)
         if model_cfg.liger_kernel:
             apply_liger(model)
     except InvalidConfig as err:
@@ -279,7 +307,7 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
     assert model is not None  # loaded: a failure set error
     model = apply_lora(model, lora_cfg)
     # Rank 0's weights (LoRA ones included) as full tensors; sharding keeps them alive.
-    full_sd = model.state_dict() if world.size > 1 and world.rank == 0 else None
+    full_sd = model.state_dict() if world.size > 1 and world.rank == 0 and not from_checkpoint else None
     install_loss_head(model)
     if widen_bf16:
         widen_bf16_gemms(model)
@@ -289,8 +317,11 @@ def build_model(model_cfg: ModelConfig, lora_cfg: LoraConfig, local_path: str, w
         enable_activation_checkpointing(model)
     model = shard_model(model, world, precision, offload)
     if world.size > 1:
-        load_from_rank0(model, full_sd, world, offload)
+        load_from_rank0(model, full_sd, world, offload, params=not from_checkpoint)
         del full_sd
+    if from_checkpoint:
+        log.info("model %s: a full fine-tune resuming, so its weights come from the checkpoint, not %s",
+                 model_cfg.path, local_path)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, %.2fM trainable", model_cfg.path, total / 1e6, trainable / 1e6)

@@ -14,9 +14,7 @@ from sftjob_contract.config import SFTConfig
 
 from . import checkpoint as ckpt
 from . import dist as dist_utils
-from . import early_stop
-from . import mixing
-from . import tracking
+from . import early_stop, mixing, tracking
 from .data import SampleBuilder, SFTDataset
 from .batching import GlobalBatches, eval_batches
 from .dist import World
@@ -77,9 +75,11 @@ class Trainer:
         self.cfg, self.world, self.stop = cfg, world, stop
         self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
                                     cfg.trainer.upload_timeout_s, cfg.trainer.max_failed_commits)
-        # Storage failures arrive classified (s3errors): retried then StorageUnavailable (exit 1), or
-        # StorageDenied / InvalidConfig naming spec.model.path (exit 2).
-        self.model_path = model_path = local_model_path(cfg.model.path, weights=world.rank == 0)
+        # A full fine-tune that resumes takes every parameter from its checkpoint: no rank reads the
+        # base weights. Storage failures arrive classified (s3errors: exit 1 or 2 naming the field).
+        self.resume_step = self.outputs.checkpoints.resumable()
+        self.from_checkpoint = self.resume_step is not None and cfg.lora.rank == 0
+        self.model_path = model_path = local_model_path(cfg.model.path, world.rank == 0 and not self.from_checkpoint)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError) as err:
@@ -99,7 +99,7 @@ class Trainer:
         widen = use_widened_bf16(world.device, cfg.trainer.precision, cfg.trainer.cpu_bf16_gemm)
         self.model = build_model(cfg.model, cfg.lora, model_path, world, widen_bf16=widen,
                                  precision=cfg.trainer.precision, compiled=cfg.trainer.compile,
-                                 offload=cfg.trainer.cpu_offload)
+                                 offload=cfg.trainer.cpu_offload, from_checkpoint=self.from_checkpoint)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim,
                                          fused=world.size == 1 and not cfg.trainer.cpu_offload)
         self.n_matmul = matmul_params(self.model)
@@ -137,7 +137,7 @@ class Trainer:
     # ------------------------------------------------------------------ resume / save
 
     def _resume(self) -> None:
-        step = self.checkpoints.resumable()
+        step = self.resume_step
         if step is None:
             log.info("no committed checkpoint under %s: starting from step 0", self.checkpoints.where)
             return
