@@ -84,7 +84,8 @@ def test_model_cache_without_weights_then_completed(minio, monkeypatch, tmp_path
 def test_two_node_resume_reads_each_nodes_own_shards_and_is_exact(minio, tmp_path):
     """Two simulated nodes (one rank each, disks of their own): the node without rank 0
     downloads no weights, and a resume downloads on each node its rank's shard file and not
-    the other's. The resumed run's losses equal an uninterrupted run's."""
+    the other's, whole and started before the model is built (the prefetch: the download
+    overlaps the build). The resumed run's losses equal an uninterrupted run's."""
     uri, ref_uri = f"s3://{BUCKET}/runs/nodes", f"s3://{BUCKET}/runs/nodes-ref"
     over = {"optim.lr_scheduler": "constant", "trainer.log_freq": 1}
     ref = runner.run(s3_args(ref_uri, **over, **{"trainer.total_training_steps": 6}), tmp_path, nproc=2,
@@ -108,7 +109,10 @@ def test_two_node_resume_reads_each_nodes_own_shards_and_is_exact(minio, tmp_pat
     for node, result in enumerate(nodes):
         got = downloads(result.output)
         mine, theirs = f"__{node}_0.distcp", f"__{1 - node}_0.distcp"
-        assert got.get(f"{step}/{mine}", 0) > 0, (node, got)
+        assert got.get(f"{step}/{mine}", 0) == files[mine], (node, got)
+        out = result.output
+        assert f"prefetching {files[mine]} bytes of checkpoint step-4" in out, out
+        assert out.index("prefetching") < out.index(f"from s3://{BUCKET}/models/tiny to"), out  # before the model
         # Of the other rank's file, only the chunks every rank loads (optimizer step counts and
         # settings, which DCP saves once): never that rank's shards.
         assert got.get(f"{step}/{theirs}", 0) <= shared[theirs] < files[theirs] / 2, (node, got, shared)

@@ -25,7 +25,10 @@ the same error (``end_if_failed``), so none is left waiting in a collective.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +48,8 @@ from . import checkpoint as ckpt
 from . import dist as dist_utils
 from .errors import CheckpointFailed, StorageDenied, Superseded, TrainerError
 from .fence import Fence
+from .nodecopy import LocalFiles
+from .nodecopy import log as downloads_log  # shown on every rank
 from .storage import Store, UploadError, fresh_dir
 
 log = logging.getLogger(__name__)
@@ -116,6 +121,8 @@ class Checkpointer:
         # names (TrainerState.best_val_step): the export loads its weights at the end.
         self.keep_best = False
         self._ended = False
+        self._restore = contextlib.ExitStack()  # the node's copy of the checkpoint a resume reads
+        self._prefetched: tuple[int, LocalFiles] | None = None
 
     def location(self, step: int) -> str:
         return f"{self.store.uri}/{checkpoint_dir(step)}"
@@ -130,8 +137,44 @@ class Checkpointer:
         """Collective: is ``step`` a complete, committed checkpoint (rank 0 looks)?"""
         return bool(dist_utils.broadcast_object(ckpt.verify(self.store, step) is None if self.rank == 0 else None))
 
+    def prefetch(self, step: int) -> None:
+        """Start fetching this rank's own shard files of checkpoint ``step`` in the background,
+        while the model and the optimizer are built; ``load(step)`` reads what came and fetches
+        only the rest. Only where the world size is the one that saved it, so that a rank loads
+        its own files: the restart gap of a preemption, overlapped with the build. A failure
+        here costs only the overlap: the load fetches what it reads, and fails as it would."""
+        try:
+            files = self._restore.enter_context(self.store.read_dir(checkpoint_dir(step), self.attempt))
+            files.fetch([ckpt.TRAINER_STATE])
+            saved = json.loads((files.dir / ckpt.TRAINER_STATE).read_text()).get("world_size")
+            own = {n: [(0, size)] for n, size in files.sizes().items()
+                   if n.startswith(f"__{self.rank}_") and n.endswith(".distcp")}
+        except Exception as err:  # noqa: BLE001 - the load reports storage failures, classified
+            log.warning("not prefetching checkpoint step-%d (%s): the load fetches what it reads", step, err)
+            return
+        if saved != self.world or not own:
+            return
+        downloads_log.info("prefetching %d bytes of checkpoint step-%d (this rank's shards) while the model is built",
+                           sum(r[0][1] for r in own.values()), step)
+
+        def fetch() -> None:
+            try:
+                files.fetch_ranges(own)
+            except Exception as err:  # noqa: BLE001 - as above
+                log.warning("prefetching checkpoint step-%d failed (%s): the load fetches what it reads", step, err)
+
+        thread = threading.Thread(target=fetch, name="ckpt-prefetch", daemon=True)
+        thread.start()
+        self._restore.callback(thread.join)   # never remove the copy under a running fetch
+        self._prefetched = (step, files)
+
     def load(self, step: int, model, optimizer) -> ckpt.TrainerState:
-        with self.store.read_dir(checkpoint_dir(step), self.attempt) as files:
+        with self._restore:
+            if self._prefetched is not None and self._prefetched[0] == step:
+                files = self._prefetched[1]
+            else:
+                files = self._restore.enter_context(self.store.read_dir(checkpoint_dir(step), self.attempt))
+            self._prefetched = None
             state = ckpt.load_dir(files, model, optimizer)
             dist_utils.barrier()  # every local rank has read the node's copy
         return state
@@ -304,6 +347,7 @@ class Checkpointer:
         if self._written is not None:
             futures.wait([self._written])
         self._stager.close()
+        self._restore.close()
 
 
 def _not_committed(step: int, err: BaseException) -> None:

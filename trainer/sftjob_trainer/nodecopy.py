@@ -41,6 +41,9 @@ class LocalFiles(Protocol):
         """Make these byte ranges of these files present at their offsets (the rest of
         each file may be a hole)."""
 
+    def sizes(self) -> dict[str, int]:
+        """{file: size} of what may be fetched; {} when there is nothing to fetch."""
+
 
 class InPlace:
     """Files already on a disk this process reads: nothing to fetch."""
@@ -53,6 +56,9 @@ class InPlace:
 
     def fetch_ranges(self, ranges: dict[str, Ranges]) -> None:
         pass
+
+    def sizes(self) -> dict[str, int]:
+        return {}
 
 
 class RangeSource(Protocol):
@@ -81,15 +87,21 @@ class NodeCopy:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
 
-    def fetch(self, names: Iterable[str]) -> None:
+    def sizes(self) -> dict[str, int]:
         if self._sizes is None:
             self._sizes = self.source.list(self.rel)
+        return self._sizes
+
+    def fetch(self, names: Iterable[str]) -> None:
         names = sorted(set(names))
-        absent = [n for n in names if n not in self._sizes]
+        if all((self.dir / n).is_file() for n in names):
+            return  # whole (downloads are renamed in place): no wait for the lock a prefetch holds
+        sizes = self.sizes()
+        absent = [n for n in names if n not in sizes]
         if absent:
             raise FileNotFoundError(f"{self.source.uri}/{self.rel}: no object {', '.join(absent)}")
         with self._locked():  # a file already present (whole: downloads are renamed in place) is skipped
-            self.source.download_files(self.rel, {n: self._sizes[n] for n in names}, self.dir)
+            self.source.download_files(self.rel, {n: sizes[n] for n in names}, self.dir)
 
     def fetch_ranges(self, ranges: dict[str, Ranges]) -> None:
         with self._locked():

@@ -335,10 +335,6 @@ def fetch_once(uri: str, dest: Path, field: str = STORAGE_FIELD, select: Callabl
             objects = {n: s for n, s in store.list("").items() if n and not n.endswith("/")}
             if not objects:
                 raise EmptyPrefix(f"nothing under {store.uri}")
-            wanted = {n: s for n, s in objects.items() if select is None or select(n)}
-            t0 = time.monotonic()
-            store.download_files("", wanted, dest)
+            store.download_files("", {n: s for n, s in objects.items() if select is None or select(n)}, dest)
             (dest / marker).write_text(uri + "\n")
-            log.info("%s: %d of %d files (%.1f MB) downloaded in %.1fs", uri, len(wanted), len(objects),
-                     sum(wanted.values()) / 1e6, time.monotonic() - t0)
     return dest

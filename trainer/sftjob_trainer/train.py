@@ -75,9 +75,11 @@ class Trainer:
         self.cfg, self.world, self.stop = cfg, world, stop
         self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
                                     cfg.trainer.upload_timeout_s, cfg.trainer.max_failed_commits)
-        # A full fine-tune that resumes takes every parameter from its checkpoint: no rank reads the
-        # base weights. Storage failures arrive classified (s3errors: exit 1 or 2 naming the field).
-        self.resume_step = self.outputs.checkpoints.resumable()
+        # A resume's shards download while the model is built; a full fine-tune's takes every parameter
+        # from them, so no rank reads the base weights. Storage failures arrive classified (s3errors).
+        if (resume_step := self.outputs.checkpoints.resumable()) is not None:
+            self.outputs.checkpoints.prefetch(resume_step)
+        self.resume_step = resume_step
         self.from_checkpoint = self.resume_step is not None and cfg.lora.rank == 0
         self.model_path = model_path = local_model_path(cfg.model.path, world.rank == 0 and not self.from_checkpoint)
         try:
@@ -94,7 +96,6 @@ class Trainer:
                                      self.shard)
         self.pad_id = pad_id
         self.total_steps = cfg.trainer.total_training_steps or self.batches.steps_per_epoch * cfg.trainer.total_epochs
-
         torch.manual_seed(cfg.trainer.seed)
         widen = use_widened_bf16(world.device, cfg.trainer.precision, cfg.trainer.cpu_bf16_gemm)
         self.model = build_model(cfg.model, cfg.lora, model_path, world, widen_bf16=widen,
