@@ -71,6 +71,7 @@ def test_sigterm_then_rerun_resumes_exactly(assets, tmp_path):
     args = runner.base_args(assets, out, **over)
     stopped = runner.run_and_sigterm(args, out, after_steps=9, nproc=2)
     assert stopped.code == 143, stopped.output
+    assert "Traceback" not in stopped.output and "torchrun: stopped by signal 15" in stopped.output
     done = [r["step"] for r in stopped.steps()]
     assert 9 <= done[-1] < 24
     assert (out / "checkpoints" / f"step-{done[-1]}" / "COMMITTED").exists()

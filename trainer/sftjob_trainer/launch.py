@@ -1,6 +1,7 @@
 """`python -m sftjob_trainer.launch [torchrun options] -- [trainer arguments]`
 
-The pod's entry point: runs `torchrun ... -m sftjob_trainer ...` and gives the pod the
+The pod's entry point: runs `torchrun ... -m sftjob_trainer ...` (through
+`sftjob_trainer.torchrun`, which ends a stop without torchrun's traceback) and gives the pod the
 exit code the operator's failure policy reads (docs/trainer-contract.md). torchrun
 itself exits 1 for every failure, also when the platform stopped it with SIGTERM, so:
 - SIGTERM is forwarded to torchrun (which forwards it to the trainer processes, which
@@ -50,7 +51,8 @@ def wait_resolvable(host: str, timeout_s: float, interval_s: float = 1.0) -> boo
 
 
 def build_command(torchrun_args: list[str], trainer_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", command.TRAINER_MODULE, *trainer_args]
+    return [sys.executable, "-m", "sftjob_trainer.torchrun", *torchrun_args, "-m", command.TRAINER_MODULE,
+            *trainer_args]
 
 
 def main(argv: list[str] | None = None) -> int:
