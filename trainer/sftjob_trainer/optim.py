@@ -22,6 +22,28 @@ def build_optimizer(params, cfg: OptimConfig, fused: bool) -> torch.optim.Optimi
     return torch.optim.AdamW(params, **kwargs)
 
 
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state as its first step creates it (step 0, zero moments), for a resume to
+    load the checkpoint's state into. Without it, torch's state-dict helper creates the
+    state by running a whole optimizer step on zero gradients: 7 s for a 0.37B model's
+    two CPU ranks, on the restart gap's critical path. Mirrors ``torch.optim.Adam``'s
+    lazy initialisation; amsgrad (which this trainer never sets) is left to torch."""
+    if not isinstance(optimizer, torch.optim.Adam) or any(g.get("amsgrad") for g in optimizer.param_groups):
+        return
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if state:
+                continue
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device)
+                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 def lr_factor(cfg: OptimConfig, step: int, total: int) -> float:
     """Multiplier of cfg.lr for the optimizer step numbered ``step`` (0-based)."""
     warmup = int(cfg.lr_warmup_steps_ratio * total)

@@ -24,7 +24,7 @@ from .loss import ce_sum
 from .metrics import Metrics, step_flops
 from . import ulysses
 from .model import attention_dims, build_model, check_device_options, matmul_params
-from .optim import build_optimizer, set_lr
+from .optim import build_optimizer, init_state, set_lr
 from .outputs import Outputs
 from .precision import use_widened_bf16
 from .storage import local_model_path
@@ -138,10 +138,10 @@ class Trainer:
     # ------------------------------------------------------------------ resume / save
 
     def _resume(self) -> None:
-        step = self.resume_step
-        if step is None:
+        if (step := self.resume_step) is None:
             log.info("no committed checkpoint under %s: starting from step 0", self.checkpoints.where)
             return
+        init_state(self.optimizer)  # the slots the checkpoint's optimizer state loads into
         saved = self.checkpoints.load(step, self.model, self.optimizer)
         if saved.global_batch != self.state.global_batch:
             raise InvalidConfig(
