@@ -28,15 +28,18 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from bench import common, outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CONTENDERS = ["ours", "trl_padded", "trl_packed", "plain_padfree"]
-# Variants of our trainer: the extra overrides each runs with.
-OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": []}
+# Variants of our trainer: the extra overrides each runs with. ours_defaults: only the shape is set
+# (no packing): what a user who sets nothing else runs.
+OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": [], "ours_defaults": []}
 # The other contenders: the bench module each runs (python -m, from the checkout's root) and its flags.
 PEERS = {
     "trl_padded": ("bench.peer_trl", ["--mode", "padded"]),
@@ -52,15 +55,16 @@ DATA_SHA = "80c74d2f"  # prefix of make_data.py's ids_sha256 for the default arg
 
 
 def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, peak_sizes: str = "1024,2048",
-            threads: int = 0) -> dict:
-    """Data and the seed-0 model in the form our trainer loads (made once), and the matmul peak."""
+            threads: int = 0, data_args: tuple[str, ...] = ()) -> dict:
+    """Data and the seed-0 model in the form our trainer loads (made once), and the matmul peak.
+    ``data_args``: make_data.py's length options, for a set of another shape (bench.sweep)."""
     py = sys.executable
     data = work / "data"
     if not (data / "train.parquet").exists():
-        subprocess.run([py, "-m", "bench.make_data", "--out", str(data), "-n", str(num_examples)],
+        subprocess.run([py, "-m", "bench.make_data", "--out", str(data), "-n", str(num_examples), *data_args],
                        check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
     stats = json.loads((data / "stats.json").read_text())
-    if num_examples == 512 and not stats["ids_sha256"].startswith(DATA_SHA):
+    if num_examples == 512 and not data_args and not stats["ids_sha256"].startswith(DATA_SHA):
         raise SystemExit(f"bench data differ from the reference set (ids_sha256 {stats['ids_sha256']})")
     model = work / "model"
     if not (model / "config.json").exists():
@@ -74,7 +78,8 @@ def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, p
         subprocess.run([py, "-m", "bench.matmul_peak", "--json", str(peak_json), "--seconds", str(peak_seconds),
                         "--repeats", "2", "--sizes", *peak_sizes.split(","), "--threads", str(threads)], check=True,
                        stdout=subprocess.DEVNULL, cwd=ROOT)
-    return {"data": data, "model": model, "peak": json.loads(peak_json.read_text()), "peak_json": peak_json}
+    return {"data": data, "model": model, "peak": json.loads(peak_json.read_text()), "peak_json": peak_json,
+            "stats": stats}
 
 
 def check_same_tokens(data: Path, model: Path, n: int = 64) -> None:
@@ -105,17 +110,40 @@ def run_process(cmd: list[str], log: Path, env: dict) -> tuple[int, float]:
     return proc.returncode, usage.ru_maxrss / 1024.0
 
 
-def ours_command(inp: dict, out: Path, precision: str, steps: int, extra: list[str]) -> list[str]:
+@dataclass(frozen=True)
+class Shape:
+    """A workload shape: the data's length cap, the global and micro batch, our trainer's
+    process count (the peers run one process) and whether ours packs its micro-batches (what
+    the fixed bench runs) or runs with the trainer's defaults. The defaults are the bench's."""
+    max_len: int = 512
+    global_batch: int = 16
+    micro_batch: int = 4
+    nproc: int = 1
+    packing: bool = True
+
+    def ours(self) -> dict[str, Any]:
+        over: dict[str, Any] = {"data.max_length": self.max_len, "data.train_batch_size": self.global_batch,
+                                "data.micro_batch_size_per_gpu": self.micro_batch}
+        return over | ({"data.packing": "true"} if self.packing else {})
+
+    def peer(self, module: str) -> list[str]:
+        flags = ["--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch)]
+        if module == "bench.peer_trl":   # packed rows of max_len tokens hold about two samples (mean ~max_len/2)
+            flags += ["--max-length", str(self.max_len), "--packed-rows", str(max(1, self.micro_batch // 2))]
+        return flags
+
+
+BENCH = Shape()
+
+
+def ours_command(inp: dict, out: Path, precision: str, steps: int, extra: list[str], shape: Shape = BENCH) -> list[str]:
     # The machine's peak (the faster dtype's): with bf16 products widened to fp32 GEMMs on a CPU
     # without native bf16, the bf16 peak is not the ceiling of our bf16 run.
     peak = inp["peak"]["peak_gflops"] / 1000.0
     over = {
         "model.path": inp["model"],
         "data.train_files": inp["data"] / "train.parquet",
-        "data.max_length": 512,
-        "data.train_batch_size": 16,
-        "data.micro_batch_size_per_gpu": 4,
-        "data.packing": "true",
+        **shape.ours(),
         "data.shuffle": "false",
         "optim.lr": 1e-4,
         "optim.betas": "[0.9,0.999]",
@@ -129,10 +157,14 @@ def ours_command(inp: dict, out: Path, precision: str, steps: int, extra: list[s
         "trainer.peak_tflops": repr(peak),
         "trainer.seed": 0,
     }
-    return [sys.executable, "-m", "sftjob_trainer", *[f"{k}={v}" for k, v in over.items()], *extra]
+    args = [*[f"{k}={v}" for k, v in over.items()], *extra]
+    if shape.nproc > 1:
+        return [sys.executable, "-m", "sftjob_trainer.launch", "--standalone", f"--nproc-per-node={shape.nproc}",
+                "--", *args]
+    return [sys.executable, "-m", "sftjob_trainer", *args]
 
 
-def summarize_ours(out: Path, inp: dict, precision: str, warmup: int) -> dict:
+def summarize_ours(out: Path, inp: dict, precision: str, warmup: int, global_batch: int = 16) -> dict:
     """Window metrics from metrics.jsonl, computed the way common.StepMeter computes them."""
     steps = {r["step"]: r for r in outputs.step_rows(out)}
     last = max(steps)
@@ -143,7 +175,7 @@ def summarize_ours(out: Path, inp: dict, precision: str, warmup: int) -> dict:
     # FLOPs the trainer itself counted (its per-step MFU × its step time × the peak it was given) ...
     trainer_flops = sum(r["mfu"] * peak * 1e9 * r["tokens"] / r["tokens_per_s"] for r in timed)
     # ... and the bench formula on the same samples (file order, no shuffling, all rows usable).
-    ex = common.load_examples(inp["data"])[warmup * 16 : last * 16]
+    ex = common.load_examples(inp["data"])[warmup * global_batch : last * global_batch]
     lengths = [len(e["prompt_ids"]) + len(e["response_ids"]) for e in ex]
     assert sum(lengths) == tokens, "our trainer did not see the bench's samples in file order"
     flops = common.training_flops(common.build_model(seed=0), lengths)
@@ -160,12 +192,14 @@ def summarize_ours(out: Path, inp: dict, precision: str, warmup: int) -> dict:
     }
 
 
-def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path) -> dict:
+def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path, shape: Shape = BENCH) -> dict:
     base = out_dir / f"{name}_{precision}.r{rep}"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                TRANSFORMERS_VERBOSITY="error", BENCH_PEAK_JSON=str(inp["peak_json"]), PYTHONUNBUFFERED="1")
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
+    if name in OURS and shape.nproc > 1:   # the machine's threads shared out among our ranks
+        env["OMP_NUM_THREADS"] = str(max(1, (args.threads or os.cpu_count() or 1) // shape.nproc))
     common_flags = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup)]
     if name in OURS:
         run_out = base.with_suffix(".out")
@@ -174,15 +208,16 @@ def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path)
             if not args.baseline_trainer:
                 raise SystemExit("ours_baseline needs --baseline-trainer DIR (a checkout's trainer/ directory)")
             env["PYTHONPATH"] = os.pathsep.join([str(args.baseline_trainer), env.get("PYTHONPATH", "")])
-        cmd = ours_command(inp, run_out, precision, args.steps, args.ours_extra + OURS[name])
+        run_shape = replace(shape, packing=False) if name == "ours_defaults" else shape
+        cmd = ours_command(inp, run_out, precision, args.steps, args.ours_extra + OURS[name], run_shape)
         code, rss = run_process(cmd, base.with_suffix(".log"), env)
         if code:
             raise SystemExit(f"{name} {precision} failed (exit {code}), see {base}.log")
-        res = summarize_ours(run_out, inp, precision, args.warmup)
+        res = summarize_ours(run_out, inp, precision, args.warmup, shape.global_batch)
         outputs.drop_checkpoints_and_exports(run_out)
     else:
         module, flags = PEERS[name]
-        cmd = [sys.executable, "-m", module, *flags, *common_flags, "--data-dir", str(inp["data"]),
+        cmd = [sys.executable, "-m", module, *flags, *common_flags, *shape.peer(module), "--data-dir", str(inp["data"]),
                "--json", str(base.with_suffix(".json"))]
         if module == "bench.peer_trl":
             cmd += ["--output-dir", str(base.with_suffix(".out"))]

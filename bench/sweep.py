@@ -1,0 +1,138 @@
+"""`make bench-sweep`: the throughput bench across workload shapes (issue 30 item 1).
+
+A user does not pick the fixed bench's shape. Each point is a Shape (bench/run.py): a data
+set whose samples are capped at ``max_len`` (lognormal prompt and response lengths scaled
+from the bench's 100 and 150 tokens at 512, so about half the cap on average), a global and a
+micro batch, and our trainer's process count. At every point, in one run and alternated
+like `make bench`, fp32:
+
+  ours           our trainer as the fixed bench runs it (packed micro-batches)
+  ours_defaults  our trainer with only the shape set: what a user who sets nothing else gets
+  trl_packed     TRL's fastest mode here (packed rows of max_len tokens)
+  plain_padfree  a hand-written padding-free loop
+
+Each contender trains until about ``--tokens`` tokens are timed (after 2 warm-up steps), so
+every point costs about the same time. MFU is against the matmul peak measured once at the
+start (bench.matmul_peak). The table and the verdicts (ours ÷ TRL packed ≥ 1.7 at every
+point; MFU ≥ 85 % at the bench shape) go to OUT/sweep.md, the raw runs beside it.
+
+    python -m bench.sweep                          # every point (~25 min on a quiet 2-core box)
+    python -m bench.sweep --points bench,L2048 --tokens 20000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from bench.run import BENCH, ROOT, Shape, prepare, run_one
+
+POINTS: dict[str, Shape] = {
+    "L128": Shape(max_len=128, global_batch=16, micro_batch=4),
+    "bench": BENCH,
+    "L2048": Shape(max_len=2048, global_batch=16, micro_batch=2),
+    "micro1": Shape(micro_batch=1),
+    "G64": Shape(global_batch=64, micro_batch=8),
+    "2ranks": Shape(nproc=2),
+}
+CONTENDERS = ("ours", "ours_defaults", "trl_packed", "plain_padfree")
+WARMUP = 2
+TRL_RATIO, MFU_AT_BENCH = 1.7, 0.85
+
+
+def data_args(shape: Shape) -> tuple[str, ...]:
+    """make_data.py's options for a set of this shape (the bench's own set when max_len is 512)."""
+    if shape.max_len == 512:
+        return ()
+    k = shape.max_len / 512
+    return ("--max-len", str(shape.max_len), "--prompt-mean", f"{100 * k:g}", "--response-mean", f"{150 * k:g}")
+
+
+def timed_steps(shape: Shape, mean_len: float, tokens: int) -> int:
+    return max(3, math.ceil(tokens / (shape.global_batch * mean_len)))
+
+
+def point_inputs(name: str, shape: Shape, work: Path, out: Path, tokens: int, peak_seconds: float) -> tuple[dict, int]:
+    """The point's data and model (made once under WORK/sweep/<max_len>) and its timed steps."""
+    mean = 250 * shape.max_len / 512            # the set's expected mean length, to size it before it exists
+    steps = timed_steps(shape, mean, tokens)
+    need = max(64, (steps + WARMUP) * shape.global_batch)
+    inp = prepare(work / "sweep" / f"L{shape.max_len}-n{need}", out, peak_seconds, need, threads=0,
+                  data_args=data_args(shape))
+    return inp, timed_steps(shape, inp["stats"]["total_len"]["mean"], tokens)
+
+
+def ratio(tokens_per_s: dict[str, float], a: str, b: str) -> float:
+    return tokens_per_s[a] / tokens_per_s[b] if tokens_per_s.get(a) and tokens_per_s.get(b) else float("nan")
+
+
+def table(rows: list[dict], peak: dict) -> tuple[str, list[str]]:
+    fp32 = peak["peak_gflops_fp32"]
+    lines = [f"fp32 matmul peak {fp32:.0f} GFLOP/s ({peak['threads']} threads); tokens/s, MFU of ours against it", "",
+             "| point | max len | global | micro | ranks (ours) | steps | ours | ours_defaults | trl_packed "
+             "| plain_padfree | MFU ours | ours ÷ TRL | defaults ÷ TRL | ours ÷ plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for r in rows:
+        s, t = r["shape"], r["tokens_per_s"]
+        mfu = r["gflops"].get("ours", float("nan")) / fp32
+        vs_trl, defaults, vs_plain = (ratio(t, a, b) for a, b in (("ours", "trl_packed"),
+                                                                  ("ours_defaults", "trl_packed"),
+                                                                  ("ours", "plain_padfree")))
+        lines.append(f"| {r['point']} | {s['max_len']} | {s['global_batch']} | {s['micro_batch']} | {s['nproc']} "
+                     f"| {r['steps']} | " + " | ".join(f"{t[c]:.0f}" if c in t else "–" for c in CONTENDERS)
+                     + f" | {mfu:.1%} | {vs_trl:.2f}× | {defaults:.2f}× | {vs_plain:.2f}× |")
+        verdicts.append(f"{r['point']}: ours ÷ TRL packed {vs_trl:.2f}× (need ≥ {TRL_RATIO}) "
+                        f"{'PASS' if vs_trl >= TRL_RATIO else 'FAIL'}")
+        if r["point"] == "bench":
+            verdicts.append(f"bench: MFU {mfu:.1%} of the fp32 peak (need ≥ {MFU_AT_BENCH:.0%}) "
+                            f"{'PASS' if mfu >= MFU_AT_BENCH else 'FAIL'}")
+    return "\n".join(lines), verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", default=",".join(POINTS), help=f"comma-separated, from {', '.join(POINTS)}")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--tokens", type=int, default=40000, help="timed tokens per contender and point (default 40000)")
+    ap.add_argument("--work", type=Path, default=ROOT / ".bench")
+    ap.add_argument("--out", type=Path, default=None, help="results (default WORK/sweep-results/<time>)")
+    ap.add_argument("--peak-seconds", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    points = [p.strip() for p in args.points.split(",") if p.strip()]
+    if unknown := [p for p in points if p not in POINTS]:
+        ap.error(f"unknown points {unknown}; known: {', '.join(POINTS)}")
+    out = args.out or args.work / "sweep-results" / time.strftime("%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    peak: dict = {}
+    for point in points:
+        shape = POINTS[point]
+        inp, steps = point_inputs(point, shape, args.work, out, args.tokens, args.peak_seconds)
+        peak = inp["peak"]
+        run_args = argparse.Namespace(steps=steps + WARMUP, warmup=WARMUP, threads=0, ours_extra=[],
+                                      baseline_trainer=None)
+        (out / point).mkdir(exist_ok=True)
+        row: dict = {"point": point, "shape": shape.__dict__, "steps": steps, "tokens_per_s": {}, "gflops": {},
+                     "losses": {}}
+        for name in args.contenders.split(","):
+            t0 = time.time()
+            r = run_one(name, "fp32", 1, inp, run_args, out / point, shape)
+            row["tokens_per_s"][name] = r["tokens_per_s"]
+            row["gflops"][name] = r["model_gflops_per_s"]
+            row["losses"][name] = r["final_loss"]
+            print(f"[{time.strftime('%H:%M:%S')}] {point:7s} {name:14s} {r['tokens_per_s']:7.0f} tokens/s "
+                  f"loss {r['final_loss']:.4f} ({time.time() - t0:.0f}s)", flush=True)
+        rows.append(row)
+        (out / "sweep.json").write_text(json.dumps({"peak": peak, "rows": rows}, indent=1))
+    text, verdicts = table(rows, peak)
+    report = text + "\n\n" + "\n".join(verdicts) + "\n"
+    (out / "sweep.md").write_text(report)
+    print("\n" + report + f"\nraw runs: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

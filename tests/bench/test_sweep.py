@@ -1,0 +1,35 @@
+"""bench.sweep's pure parts: the data set of each shape, the steps that time about the same
+tokens everywhere, and the verdicts against the issue's lines (1.7x TRL, 85 % MFU)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def test_each_shape_has_its_own_set_and_times_about_the_same_tokens():
+    from bench.sweep import POINTS, data_args, timed_steps
+
+    assert data_args(POINTS["bench"]) == ()   # the fixed bench's own set
+    assert data_args(POINTS["L2048"]) == ("--max-len", "2048", "--prompt-mean", "400", "--response-mean", "600")
+    assert data_args(POINTS["L128"])[:2] == ("--max-len", "128")
+    for shape, mean in ((POINTS["L128"], 62.5), (POINTS["bench"], 250.0), (POINTS["G64"], 250.0)):
+        steps = timed_steps(shape, mean, 40000)
+        assert 40000 <= steps * shape.global_batch * mean < 40000 + shape.global_batch * mean
+    assert timed_steps(POINTS["L2048"], 1000.0, 1000) == 3   # never fewer than 3 timed steps
+
+
+def test_verdicts_hold_every_point_to_the_trl_ratio_and_the_bench_point_to_the_mfu():
+    from bench.sweep import table
+
+    peak = {"peak_gflops_fp32": 100.0, "threads": 2}
+    rows = [{"point": "bench", "shape": {"max_len": 512, "global_batch": 16, "micro_batch": 4, "nproc": 1},
+             "steps": 10, "tokens_per_s": {"ours": 1800.0, "trl_packed": 1000.0, "ours_defaults": 900.0},
+             "gflops": {"ours": 86.0}},
+            {"point": "L128", "shape": {"max_len": 128, "global_batch": 16, "micro_batch": 4, "nproc": 1},
+             "steps": 40, "tokens_per_s": {"ours": 1500.0, "trl_packed": 1000.0}, "gflops": {"ours": 50.0}}]
+    text, verdicts = table(rows, peak)
+    assert "| bench | 512 | 16 | 4 | 1 | 10 | 1800 | 900 | 1000 | – | 86.0% | 1.80× | 0.90× | nan× |" in text
+    assert verdicts == ["bench: ours ÷ TRL packed 1.80× (need ≥ 1.7) PASS",
+                        "bench: MFU 86.0% of the fp32 peak (need ≥ 85%) PASS",
+                        "L128: ours ÷ TRL packed 1.50× (need ≥ 1.7) FAIL"]
