@@ -193,23 +193,28 @@ def main(argv: list[str] | None = None) -> int:
         step = max((int(m.group(1)) for _, line in lines if (m := _STEP.search(line))), default=0)
         return ckpt, step
 
-    wait_for(lambda: (p := progress())[0] and p[1] >= p[0] + args.steps_after_commit, args.timeout,
-             "a committed checkpoint and steps after it", interval=1)
-    ckpt, step = progress()
-    victim = f"{name}-node-1"
-    body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": victim, "namespace": args.namespace}}
-    ctx.kubectl("create", "--raw", f"/api/v1/namespaces/{args.namespace}/pods/{victim}/eviction", "-f", "-",
-                input=json.dumps(body))
-    say(f"evicted {victim} at step {step} ({time.time() - t0:.0f}s in; checkpoint step-{ckpt} committed)")
-    wait_for(lambda: (a := marks(clock.pods, "1", log)) and a.get("first step"), args.timeout,
-             "the new gang's first step", interval=1)
-    time.sleep(1)
-    clock.stop()
-    tap.stop()
-    at = marks(clock.pods, "1", log)
-    gap = breakdown(clock.pods, "1", log)
+    try:
+        wait_for(lambda: (p := progress())[0] and p[1] >= p[0] + args.steps_after_commit, args.timeout,
+                 "a committed checkpoint and steps after it", interval=1)
+        ckpt, step = progress()
+        victim = f"{name}-node-1"
+        before = ctx.kube.get(f"/api/v1/namespaces/{args.namespace}/pods/{victim}")["metadata"]["labels"]
+        attempt = str(int(before["sftjob.io/attempt"]) + 1)   # the gang after the eviction
+        body = {"apiVersion": "policy/v1", "kind": "Eviction",
+                "metadata": {"name": victim, "namespace": args.namespace}}
+        ctx.kubectl("create", "--raw", f"/api/v1/namespaces/{args.namespace}/pods/{victim}/eviction", "-f", "-",
+                    input=json.dumps(body))
+        say(f"evicted {victim} at step {step} ({time.time() - t0:.0f}s in; checkpoint step-{ckpt} committed)")
+        wait_for(lambda: (a := marks(clock.pods, attempt, log)) and a.get("first step"), args.timeout,
+                 "the new gang's first step", interval=1)
+        time.sleep(1)
+    finally:   # a failed wait leaves no job training on behind it
+        clock.stop()
+        tap.stop()
+        ctx.kube.delete(f"{JOBS.format(ns=args.namespace)}/{name}")
+    at = marks(clock.pods, attempt, log)
+    gap = breakdown(clock.pods, attempt, log)
     more = details(at, log, gap_manifest(args.model, name)["spec"]["model"]["path"])
-    ctx.kube.delete(f"{JOBS.format(ns=args.namespace)}/{name}")
     result = {"model": args.model, "evicted_at_step": step, "checkpoint_before": ckpt, "gap": gap, "details": more}
     (args.workdir / f"restart-gap-{args.model}.json").write_text(json.dumps(result, indent=1) + "\n")
     say(f"restart gap ({args.model}): {describe(gap)}")
