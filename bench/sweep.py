@@ -61,7 +61,8 @@ def point_inputs(name: str, shape: Shape, work: Path, out: Path, tokens: int, pe
     need = max(64, (steps + WARMUP) * shape.global_batch)
     inp = prepare(work / "sweep" / f"L{shape.max_len}-n{need}", out, peak_seconds, need, threads=0,
                   data_args=data_args(shape))
-    return inp, timed_steps(shape, inp["stats"]["total_len"]["mean"], tokens)
+    # Sized by the set's real mean, within the rows made (a second epoch would repeat samples).
+    return inp, min(timed_steps(shape, inp["stats"]["total_len"]["mean"], tokens), need // shape.global_batch - WARMUP)
 
 
 def ratio(tokens_per_s: dict[str, float], a: str, b: str) -> float:
