@@ -107,20 +107,25 @@ class PodClock(threading.Thread):
         self.join(5)
 
 
-def log_times(path: Path, since: float) -> dict[str, float]:
-    """When rank 0's trainer (the log, `timestamps` lines) loaded the model, resumed, and logged a
-    step, first after `since`."""
-    out: dict[str, float] = {}
-    if not path.exists():
-        return out
-    for raw in path.read_text(errors="replace").splitlines():
+def log_lines(path: Path, since: float, until: float | None = None) -> list[tuple[float, str]]:
+    """(kubelet time, line) of a LogTap file written with `timestamps`, from `since` to `until`."""
+    out = []
+    for raw in path.read_text(errors="replace").splitlines() if path.exists() else []:
         stamp, _, line = raw.partition(" ")
         try:
             t = rfc3339(stamp)
         except (ValueError, AttributeError):
             continue
-        if t is None or t < since:
-            continue
+        if t is not None and t >= since and (until is None or t <= until):
+            out.append((t, line))
+    return out
+
+
+def log_times(path: Path, since: float) -> dict[str, float]:
+    """When rank 0's trainer (the log, `timestamps` lines) loaded the model, resumed, and logged a
+    step, first after `since`."""
+    out: dict[str, float] = {}
+    for t, line in log_lines(path, since):
         for key, pattern in (("model load", _MODEL), ("restore", _RESUMED), ("first step", _STEP)):
             if key not in out and pattern.search(line):
                 out[key] = t

@@ -143,8 +143,9 @@ class Checkpointer:
         only the rest. Only where the world size is the one that saved it, so that a rank loads
         its own files: the restart gap of a preemption, overlapped with the build. A failure
         here costs only the overlap: the load fetches what it reads, and fails as it would."""
+        files = self._restore.enter_context(self.store.read_dir(checkpoint_dir(step), self.attempt))
+        self._prefetched = (step, files)   # load(step) reads this copy, prefetched or not
         try:
-            files = self._restore.enter_context(self.store.read_dir(checkpoint_dir(step), self.attempt))
             files.fetch([ckpt.TRAINER_STATE])
             saved = json.loads((files.dir / ckpt.TRAINER_STATE).read_text()).get("world_size")
             own = {n: [(0, size)] for n, size in files.sizes().items()
@@ -166,7 +167,6 @@ class Checkpointer:
         thread = threading.Thread(target=fetch, name="ckpt-prefetch", daemon=True)
         thread.start()
         self._restore.callback(thread.join)   # never remove the copy under a running fetch
-        self._prefetched = (step, files)
 
     def load(self, step: int, model, optimizer) -> ckpt.TrainerState:
         with self._restore:

@@ -30,7 +30,10 @@ def init_state(optimizer: torch.optim.Optimizer) -> None:
     lazy initialisation; amsgrad (which this trainer never sets) is left to torch."""
     if not isinstance(optimizer, torch.optim.Adam) or any(g.get("amsgrad") for g in optimizer.param_groups):
         return
-    from torch.optim.optimizer import _get_scalar_dtype
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype   # private: a torch without it gets torch's way
+    except ImportError:
+        return
 
     for group in optimizer.param_groups:
         on_device = group.get("capturable") or group.get("fused")
