@@ -7,7 +7,10 @@ profiles --steps optimizer steps after one warm-up step and prints the top opera
 CPU time plus a coarse breakdown (matmuls, attention, loss head, optimizer, the rest).
 
 Usage: python -m bench.profile_step [--precision fp32|bf16] [--cpu-bf16-gemm auto|native|widened]
-                                    [--steps 2] [--work .bench]
+                                    [--steps 2] [--work .bench] [--point NAME [--no-packing]]
+
+``--point`` profiles one of bench.sweep's shapes (one process) on the data and model the sweep
+made under WORK/sweep (run the sweep, or at least that point, first).
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench")
     ap.add_argument("--rows", type=int, default=20)
+    ap.add_argument("--point", default=None, help="a bench.sweep shape (its data under WORK/sweep)")
+    ap.add_argument("--no-packing", action="store_true", help="padded micro-batches instead of packed rows")
+    ap.add_argument("--budget", type=int, default=None, help="data.max_tokens_per_micro_batch (default: unset)")
     args = ap.parse_args()
 
     import torch
@@ -46,10 +52,23 @@ def main() -> None:
     from sftjob_trainer.optim import build_optimizer
     from sftjob_trainer.precision import use_widened_bf16
 
-    model_dir, data = str(args.work / "model"), str(args.work / "data" / "train.parquet")
+    from bench.run import BENCH
+    from bench.sweep import POINTS
+
+    shape, inputs = BENCH, args.work
+    if args.point:
+        shape = POINTS[args.point]
+        made = sorted((args.work / "sweep").glob(f"L{shape.max_len}-n*/data/train.parquet"))
+        if not made:
+            raise SystemExit(f"no sweep data for {args.point} under {args.work / 'sweep'}: run "
+                             f"python -m bench.sweep --points {args.point} first")
+        inputs = made[-1].parent.parent
+    model_dir, data = str(inputs / "model"), str(inputs / "data" / "train.parquet")
     world = World(0, 0, 1, torch.device("cpu"))
-    cfg = DataConfig(train_files=[data], max_length=512, train_batch_size=16, micro_batch_size_per_gpu=4,
-                     packing=True, shuffle=False)
+    gb = shape.global_batch
+    cfg = DataConfig(train_files=[data], max_length=shape.max_len, train_batch_size=gb,
+                     micro_batch_size_per_gpu=shape.micro_batch, packing=not args.no_packing, shuffle=False,
+                     max_tokens_per_micro_batch=args.budget)
     tok = AutoTokenizer.from_pretrained(model_dir)
     batches = GlobalBatches(SFTDataset([data], SampleBuilder(tok, cfg), "bench"), cfg, 0, 0, 1, tok.pad_token_id)
     widen = use_widened_bf16(world.device, args.precision, args.cpu_bf16_gemm)
@@ -58,7 +77,7 @@ def main() -> None:
 
     def step(k: int) -> None:
         with record_function("data"):
-            mbs = batches.step_batches(0, 16 * k)
+            mbs = batches.step_batches(0, gb * k)
         n = sum(mb.n_targets for mb in mbs)
         for mb in mbs:
             with record_function("forward+loss"):

@@ -10,8 +10,9 @@ spreads over all of them):
   plain_padfree  a hand-written padding-free torch loop
   ours_compiled  (opt-in) ours with trainer.compile=true: torch.compile per decoder layer
   ours_baseline  (opt-in, with --baseline-trainer DIR) ours from another checkout's trainer/
-                 directory, e.g. `git archive main trainer | tar -x -C /tmp/base`: before/after
-                 numbers in one run
+                 directory (and its contract/ beside it), e.g.
+                 `git archive main trainer contract | tar -x -C /tmp/base`: before/after numbers
+                 in one run
 each in fp32 and in bf16 autocast. Workload, timing window (steps 3..N) and the MFU formula
 are those of bench/README.md. Peak RSS is the process's own, from wait4().
 
@@ -37,9 +38,9 @@ from bench import common, outputs
 ROOT = Path(__file__).resolve().parents[1]
 
 CONTENDERS = ["ours", "trl_padded", "trl_packed", "plain_padfree"]
-# Variants of our trainer: the extra overrides each runs with. ours_defaults: only the shape is set
-# (no packing): what a user who sets nothing else runs.
-OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": [], "ours_defaults": []}
+# Variants of our trainer: the extra overrides each runs with. ours_baseline: another checkout's
+# trainer (--baseline-trainer), told to pack (the default since issue 30; before it, padded).
+OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": []}
 # The other contenders: the bench module each runs (python -m, from the checkout's root) and its flags.
 PEERS = {
     "trl_padded": ("bench.peer_trl", ["--mode", "padded"]),
@@ -112,19 +113,20 @@ def run_process(cmd: list[str], log: Path, env: dict) -> tuple[int, float]:
 
 @dataclass(frozen=True)
 class Shape:
-    """A workload shape: the data's length cap, the global and micro batch, our trainer's
-    process count (the peers run one process) and whether ours packs its micro-batches (what
-    the fixed bench runs) or runs with the trainer's defaults. The defaults are the bench's."""
+    """A workload shape: the data's length cap, the global and micro batch and our trainer's
+    process count (the peers run one process). Ours runs with the trainer's defaults otherwise
+    (packed rows of up to micro x max_len tokens); ``packing`` sets data.packing explicitly (a
+    baseline checkout from before packing was the default). The defaults are the bench's."""
     max_len: int = 512
     global_batch: int = 16
     micro_batch: int = 4
     nproc: int = 1
-    packing: bool = True
+    packing: bool | None = None
 
     def ours(self) -> dict[str, Any]:
         over: dict[str, Any] = {"data.max_length": self.max_len, "data.train_batch_size": self.global_batch,
                                 "data.micro_batch_size_per_gpu": self.micro_batch}
-        return over | ({"data.packing": "true"} if self.packing else {})
+        return over | ({} if self.packing is None else {"data.packing": str(self.packing).lower()})
 
     def peer(self, module: str) -> list[str]:
         flags = ["--global-batch", str(self.global_batch), "--micro-batch", str(self.micro_batch)]
@@ -207,8 +209,11 @@ def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path,
         if name == "ours_baseline":
             if not args.baseline_trainer:
                 raise SystemExit("ours_baseline needs --baseline-trainer DIR (a checkout's trainer/ directory)")
-            env["PYTHONPATH"] = os.pathsep.join([str(args.baseline_trainer), env.get("PYTHONPATH", "")])
-        run_shape = replace(shape, packing=False) if name == "ours_defaults" else shape
+            # The checkout's contract with its trainer (the config tree they were written against).
+            contract = args.baseline_trainer.parent / "contract"
+            paths = [args.baseline_trainer, *([contract] if contract.is_dir() else [])]
+            env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), env.get("PYTHONPATH", "")])
+        run_shape = replace(shape, packing=True) if name == "ours_baseline" else shape
         cmd = ours_command(inp, run_out, precision, args.steps, args.ours_extra + OURS[name], run_shape)
         code, rss = run_process(cmd, base.with_suffix(".log"), env)
         if code:
@@ -312,7 +317,7 @@ def main() -> None:
     ap.add_argument("--peak-sizes", default="1024,2048", help="matmul sizes for the peak measurement")
     ap.add_argument("--ours-extra", nargs="*", default=[], help="extra key=value overrides for our trainer")
     ap.add_argument("--baseline-trainer", type=Path, default=None,
-                    help="a trainer/ directory (another checkout) that the ours_baseline contender runs")
+                    help="a trainer/ directory (another checkout; its contract/ beside it) that ours_baseline runs")
     args = ap.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)

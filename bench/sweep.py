@@ -6,8 +6,10 @@ from the bench's 100 and 150 tokens at 512, so about half the cap on average), a
 micro batch, and our trainer's process count. At every point, in one run and alternated
 like `make bench`, fp32:
 
-  ours           our trainer as the fixed bench runs it (packed micro-batches)
-  ours_defaults  our trainer with only the shape set: what a user who sets nothing else gets
+  ours           our trainer with only the shape set: what a user who sets nothing else gets
+                 (since issue 30 that is packed rows of up to micro x max_len tokens)
+  ours_baseline  (with --baseline-trainer DIR) another checkout's trainer, told to pack: the
+                 "before" of a change, in the same run
   trl_packed     TRL's fastest mode here (packed rows of max_len tokens)
   plain_padfree  a hand-written padding-free loop
 
@@ -18,6 +20,8 @@ point; MFU ≥ 85 % at the bench shape) go to OUT/sweep.md, the raw runs beside 
 
     python -m bench.sweep                          # every point (~25 min on a quiet 2-core box)
     python -m bench.sweep --points bench,L2048 --tokens 20000
+    git archive fd7be4e trainer contract | tar -x -C /tmp/base   # then, before/after in one run:
+    python -m bench.sweep --baseline-trainer /tmp/base/trainer
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ POINTS: dict[str, Shape] = {
     "G64": Shape(global_batch=64, micro_batch=8),
     "2ranks": Shape(nproc=2),
 }
-CONTENDERS = ("ours", "ours_defaults", "trl_packed", "plain_padfree")
+CONTENDERS = ("ours", "ours_baseline", "trl_packed", "plain_padfree")
 WARMUP = 2
 TRL_RATIO, MFU_AT_BENCH = 1.7, 0.85
 
@@ -72,19 +76,20 @@ def ratio(tokens_per_s: dict[str, float], a: str, b: str) -> float:
 def table(rows: list[dict], peak: dict) -> tuple[str, list[str]]:
     fp32 = peak["peak_gflops_fp32"]
     lines = [f"fp32 matmul peak {fp32:.0f} GFLOP/s ({peak['threads']} threads); tokens/s, MFU of ours against it", "",
-             "| point | max len | global | micro | ranks (ours) | steps | ours | ours_defaults | trl_packed "
-             "| plain_padfree | MFU ours | ours ÷ TRL | defaults ÷ TRL | ours ÷ plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| point | max len | global | micro | ranks (ours) | steps | ours | ours_baseline | trl_packed "
+             "| plain_padfree | MFU ours | ours ÷ TRL | baseline ÷ TRL | ours ÷ baseline | ours ÷ plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for r in rows:
         s, t = r["shape"], r["tokens_per_s"]
         mfu = r["gflops"].get("ours", float("nan")) / fp32
-        vs_trl, defaults, vs_plain = (ratio(t, a, b) for a, b in (("ours", "trl_packed"),
-                                                                  ("ours_defaults", "trl_packed"),
-                                                                  ("ours", "plain_padfree")))
+        vs_trl, base, vs_base, vs_plain = (ratio(t, a, b) for a, b in (("ours", "trl_packed"),
+                                                                       ("ours_baseline", "trl_packed"),
+                                                                       ("ours", "ours_baseline"),
+                                                                       ("ours", "plain_padfree")))
         lines.append(f"| {r['point']} | {s['max_len']} | {s['global_batch']} | {s['micro_batch']} | {s['nproc']} "
                      f"| {r['steps']} | " + " | ".join(f"{t[c]:.0f}" if c in t else "–" for c in CONTENDERS)
-                     + f" | {mfu:.1%} | {vs_trl:.2f}× | {defaults:.2f}× | {vs_plain:.2f}× |")
+                     + f" | {mfu:.1%} | {vs_trl:.2f}× | {base:.2f}× | {vs_base:.2f}× | {vs_plain:.2f}× |")
         verdicts.append(f"{r['point']}: ours ÷ TRL packed {vs_trl:.2f}× (need ≥ {TRL_RATIO}) "
                         f"{'PASS' if vs_trl >= TRL_RATIO else 'FAIL'}")
         if r["point"] == "bench":
@@ -96,7 +101,11 @@ def table(rows: list[dict], peak: dict) -> tuple[str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("--points", default=",".join(POINTS), help=f"comma-separated, from {', '.join(POINTS)}")
-    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--contenders", default=None,
+                    help=f"comma-separated, from {', '.join(CONTENDERS)} (default: all; ours_baseline only "
+                    "with --baseline-trainer)")
+    ap.add_argument("--baseline-trainer", type=Path, default=None,
+                    help="a trainer/ directory (another checkout; its contract/ beside it) that ours_baseline runs")
     ap.add_argument("--tokens", type=int, default=40000, help="timed tokens per contender and point (default 40000)")
     ap.add_argument("--work", type=Path, default=ROOT / ".bench")
     ap.add_argument("--out", type=Path, default=None, help="results (default WORK/sweep-results/<time>)")
@@ -105,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     points = [p.strip() for p in args.points.split(",") if p.strip()]
     if unknown := [p for p in points if p not in POINTS]:
         ap.error(f"unknown points {unknown}; known: {', '.join(POINTS)}")
+    contenders = (args.contenders.split(",") if args.contenders else
+                  [c for c in CONTENDERS if c != "ours_baseline" or args.baseline_trainer])
+    if "ours_baseline" in contenders and not args.baseline_trainer:
+        ap.error("ours_baseline needs --baseline-trainer DIR")
     out = args.out or args.work / "sweep-results" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -114,11 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         inp, steps = point_inputs(point, shape, args.work, out, args.tokens, args.peak_seconds)
         peak = inp["peak"]
         run_args = argparse.Namespace(steps=steps + WARMUP, warmup=WARMUP, threads=0, ours_extra=[],
-                                      baseline_trainer=None)
+                                      baseline_trainer=args.baseline_trainer)
         (out / point).mkdir(exist_ok=True)
         row: dict = {"point": point, "shape": shape.__dict__, "steps": steps, "tokens_per_s": {}, "gflops": {},
                      "losses": {}}
-        for name in args.contenders.split(","):
+        for name in contenders:
             t0 = time.time()
             r = run_one(name, "fp32", 1, inp, run_args, out / point, shape)
             row["tokens_per_s"][name] = r["tokens_per_s"]

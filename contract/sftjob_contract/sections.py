@@ -178,13 +178,18 @@ class DataConfig(_Section):
     micro_batch_size_per_gpu: int = Field(
         default=1,
         gt=0,
-        description="Sequences per forward/backward pass on each rank; the per-rank batch "
-        "(train_batch_size / world size) must be a multiple of it.",
+        description="The size of a forward/backward pass on each rank, in sequences; the per-rank batch "
+        "(train_batch_size / world size) must be a multiple of it. With packing and no "
+        "max_tokens_per_micro_batch, a micro-batch holds as many whole sequences as fit in this many "
+        "max_length sequences' tokens (the memory of that many full-length samples); without packing, "
+        "exactly this many sequences, padded to the longest.",
     )
     packing: bool = Field(
-        default=False,
+        default=True,
         description="Concatenate the sequences of a micro-batch into one padding-free row "
-        "(position ids restart per sequence, attention stays block-diagonal).",
+        "(position ids restart per sequence, attention stays block-diagonal): no FLOPs or memory are "
+        "spent on padding. false: padded rows, one sequence each (for a model whose attention cannot "
+        "take packed rows).",
     )
     shuffle: bool = Field(
         default=True,
@@ -197,7 +202,8 @@ class DataConfig(_Section):
         "rank's share of the global batch are grouped while their total length stays within this "
         "budget (a longer sample forms a micro-batch alone), and every rank runs as many micro-batches "
         "as the rank that needs the most. micro_batch_size_per_gpu is then not used for training. "
-        "Unset: micro_batch_size_per_gpu sequences per micro-batch.",
+        "Unset: micro_batch_size_per_gpu x max_length tokens with packing, micro_batch_size_per_gpu "
+        "sequences without.",
     )
 
     _as_list_train = field_validator("train_files", "val_files", mode="before")(_as_list)
@@ -231,6 +237,15 @@ class DataConfig(_Section):
     def source_names(self) -> list[str]:
         """Each source's name: its own, or its index."""
         return [s.name if s.name is not None else str(i) for i, s in enumerate(self.sources or [])]
+
+    def token_budget(self) -> int | None:
+        """Tokens per training micro-batch (None: micro_batch_size_per_gpu sequences each). With
+        packing and no explicit budget, the tokens of micro_batch_size_per_gpu full-length samples:
+        the memory a micro-batch of that many sequences may already take, filled with whole
+        sequences instead of padding, so short data runs fewer, larger (faster) passes."""
+        if self.max_tokens_per_micro_batch is not None:
+            return self.max_tokens_per_micro_batch
+        return self.micro_batch_size_per_gpu * self.max_length if self.packing else None
 
     @model_validator(mode="after")
     def _micro_divides_global(self) -> DataConfig:

@@ -113,6 +113,26 @@ def test_token_budget_micro_batches_are_world_size_independent(assets, tok):
             assert ids(one) == [i for r in ranks for i in ids(r)]
 
 
+@pytest.mark.unit
+def test_by_default_micro_batches_are_packed_by_the_memory_of_micro_full_length_samples(assets, tok):
+    """Issue 30: a user who sets only the shape gets packed rows filled to micro x max_length tokens
+    (the memory that many full-length samples may take anyway), not micro padded sequences."""
+    f = str(assets / "data" / "train.parquet")
+    shape = dict(train_files=[f], max_length=64, train_batch_size=16, micro_batch_size_per_gpu=2)
+    default, padded = DataConfig(**shape), DataConfig(**shape, packing=False)
+    assert default.packing and default.token_budget() == 128
+    assert padded.token_budget() is None
+    assert DataConfig(**shape, max_tokens_per_micro_batch=90).token_budget() == 90
+    ds = SFTDataset([f], SampleBuilder(tok, default), "train")
+    assert ds.lengths.mean() < 32, "the test needs samples shorter than half of max_length"
+    mbs = GlobalBatches(ds, default, 3, 0, 1, 0).step_batches(0, 0)
+    assert all(mb.input_ids.shape[0] == 1 and mb.attention_mask is None for mb in mbs), "one packed row each"
+    assert all(mb.n_tokens <= 128 for mb in mbs) and len(mbs) < 8, "fewer, fuller passes than 8 pairs"
+    rows = GlobalBatches(ds, padded, 3, 0, 1, 0).step_batches(0, 0)
+    assert [len(mb.sample_ids) for mb in rows] == [2] * 8
+    assert [i for mb in mbs for i in mb.sample_ids] == [i for mb in rows for i in mb.sample_ids]
+
+
 @pytest.mark.distributed
 def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_path):
     """Real trainer runs: same samples per step, so packed/token-budget losses equal the padded ones."""

@@ -112,13 +112,13 @@ class GlobalBatches:
         ids = self.order(epoch)[cursor : cursor + self.global_batch]
         slices = [ids[r * self.per_rank : (r + 1) * self.per_rank] for r in range(self.global_batch // self.per_rank)]
         mine = slices[self.rank]
-        if self.cfg.max_tokens_per_micro_batch is None:
+        budget = self.cfg.token_budget()
+        if budget is None:
             m = self.cfg.micro_batch_size_per_gpu
             groups = [mine[k : k + m] for k in range(0, len(mine), m)]
         else:
             # Every rank must run the same number of forwards (FSDP gathers weights in each),
             # and each can count the others' from the shared lengths table: no communication.
-            budget = self.cfg.max_tokens_per_micro_batch
             lengths = self.dataset.lengths
             count = max(len(token_groups(lengths[s], budget)) for s in slices)
             groups = [mine[g] for g in split_to(token_groups(lengths[mine], budget), count)]
