@@ -25,6 +25,7 @@ GROUPS = [
     ("attention (sdpa kernels)", ("scaled_dot_product", "flash_attention")),
     ("optimizer + clip", ("adam", "foreach", "norm")),
 ]
+PHASES = ("data", "forward+loss", "backward", "clip+adamw")
 
 
 def main() -> None:
@@ -91,23 +92,32 @@ def main() -> None:
 
     model.train()
     step(0)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         for k in range(1, args.steps + 1):
             step(k)
     events = prof.key_averages()
-    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.rows:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     total = sum(e.self_cpu_time_total for e in events)
     shares = collections.Counter()
     for e in events:
         name = e.key.lower()
-        group = next((g for g, keys in GROUPS if any(k in name for k in keys)), "other (elementwise, norms, rope, "
-                     "softmax/CE, copies, python)")
+        if e.key in PHASES:      # time inside a phase but in no operator: the Python around the ops
+            group = "python (time in no operator)"
+        else:
+            group = next((g for g, keys in GROUPS if any(k in name for k in keys)), "other (elementwise, norms, "
+                         "rope, softmax/CE, copies)")
         shares[group] += e.self_cpu_time_total
-    phases = {e.key: e.cpu_time_total for e in events if e.key in ("data", "forward+loss", "backward", "clip+adamw")}
+    phases = {e.key: e.cpu_time_total for e in events if e.key in PHASES}
     print(f"self CPU time by kind ({args.precision}, {args.steps} steps, {total / 1e6:.1f}s):")
     for g, t in shares.most_common():
         print(f"  {g:60s} {t / total:6.1%}")
     print("wall time by phase (inclusive): " + ", ".join(f"{k} {v / 1e6:.2f}s" for k, v in phases.items()))
+    # The products' own rate: the profiler's FLOP count of every mm/addmm over their self time.
+    gemm = [e for e in events if e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")]
+    flops, secs = sum(e.flops for e in gemm), sum(e.self_cpu_time_total for e in gemm) / 1e6
+    micro = next((e.count for e in events if e.key == "forward+loss"), 0)
+    print(f"GEMMs: {flops / secs / 1e9:.0f} GFLOP/s over {secs:.2f}s; {micro} micro-batches in {args.steps} steps")
 
 
 if __name__ == "__main__":
