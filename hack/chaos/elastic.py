@@ -22,6 +22,11 @@ What is compared: everything, bit for bit.
   (reference), the clip factors differed in the last bit, and at this learning rate the two
   trajectories then drift apart (final loss 1.1e-4 against 5.3e-4). Without clipping nothing
   is left that could differ, so the check is exact.
+- **Micro-batches that do not depend on the size.** Packed micro-batches (the trainer's
+  default) are filled by tokens within each rank's share of the global batch, so at 1 pod
+  the share of 2 regroups into other micro-batches: the same samples and the same loss up to
+  rounding, but not the same sums bit for bit. These jobs therefore train padded
+  (`data.packing: false`): 128 samples per micro-batch, one per rank at 2 pods, two at 1.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ def elastic_manifest(args: argparse.Namespace, name: str, elastic: bool) -> dict
     spec = obj["spec"]
     spec["training"].update(totalTrainingSteps=args.elastic_steps, logSampleIds=True)
     spec["training"]["optim"]["clipGrad"] = 0   # the one size-dependent rounding (module docstring)
+    spec["data"]["packing"] = False              # micro-batches independent of the size (module docstring)
     spec["checkpoint"] = {"interval": args.elastic_interval, "keep": args.keep}
     if elastic:
         spec["resources"].update(minNodes=1, resizeCooldownSeconds=args.elastic_cooldown)
