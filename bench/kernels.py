@@ -1,0 +1,82 @@
+"""Two measurements behind bench/README.md's "Profile by op" (issue 30), side by side in one run.
+
+1. Attention kernels: torch's CPU flash sdpa against the math path (one [s, s] product each
+   way), causal forward + backward of one sequence, at lengths 64...2000.
+2. A micro-batch's fixed cost: a forward + backward of our trainer's model (the loss head,
+   varlen attention) on a packed row of 8 tokens against rows of ~250-token samples; the
+   8-token pass is almost all per-micro-batch work (every weight's gradient written in full).
+
+    python -m bench.kernels [--model .bench/sweep/L512-n320/model]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def timed(fn, reps: int) -> float:
+    """Milliseconds per call after two warm-up calls."""
+    for _ in range(2):
+        fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def attention(heads: int = 6, head_dim: int = 64) -> None:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    print("| length | flash ms | math ms | math ÷ flash | flash GFLOP/s |\n|---|---|---|---|---|")
+    for s in (64, 128, 250, 500, 1000, 2000):
+        q, k, v = (torch.randn(1, heads, s, head_dim, requires_grad=True) for _ in range(3))
+
+        def step(q=q, k=k, v=v):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        ms = {}
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("math", SDPBackend.MATH)):
+            with sdpa_kernel(backend):
+                ms[name] = timed(step, max(3, int(2e6 / (s * s))))
+        flops = 3 * 2 * heads * s * s * head_dim   # causal: half of QK^T and PV forward, 2x that backward
+        print(f"| {s} | {ms['flash']:.2f} | {ms['math']:.2f} | {ms['math'] / ms['flash']:.2f} "
+              f"| {flops / ms['flash'] / 1e6:.0f} |")
+
+
+def micro_batch_cost(model_dir: Path) -> None:
+    import torch
+
+    from sftjob_contract.config import LoraConfig, ModelConfig
+    from sftjob_trainer.batching import collate
+    from sftjob_trainer.data import Sample
+    from sftjob_trainer.dist import World
+    from sftjob_trainer.loss import ce_sum
+    from sftjob_trainer.model import build_model
+
+    world = World(0, 0, 1, torch.device("cpu"))
+    model = build_model(ModelConfig(path=str(model_dir)), LoraConfig(), str(model_dir), world, widen_bf16=False)
+    model.train()
+    for n, k in ((8, 1), (250, 1), (250, 2), (250, 4), (250, 8)):
+        samples = [Sample(input_ids=list(range(5, 5 + n)), targets=list(range(6, 6 + n))) for _ in range(k)]
+        mb = collate(samples, list(range(k)), True, 0)
+        ms = timed(lambda mb=mb: ce_sum(model, mb, world.device, "fp32").backward(), 10)
+        print(f"packed row of {k} x {n} tokens: forward + backward {ms:.1f} ms ({ms / (k * n) * 1e3:.0f} µs per token)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, default=ROOT / ".bench" / "sweep" / "L512-n320" / "model",
+                    help="a model our trainer loads (bench.sweep makes one under WORK/sweep/*/model)")
+    args = ap.parse_args()
+    attention()
+    micro_batch_cost(args.model)
+
+
+if __name__ == "__main__":
+    main()
