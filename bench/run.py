@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 CONTENDERS = ["ours", "trl_padded", "trl_packed", "plain_padfree"]
 # Variants of our trainer: the extra overrides each runs with. ours_baseline: another checkout's
-# trainer (--baseline-trainer), told to pack (the default since issue 30; before it, padded).
+# trainer (--baseline-trainer), told to pack (the default since issue 30; before it, padded), or
+# with --baseline-as-is run with that checkout's own defaults (what its user got).
 OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": []}
 # The other contenders: the bench module each runs (python -m, from the checkout's root) and its flags.
 PEERS = {
@@ -138,6 +139,12 @@ class Shape:
 BENCH = Shape()
 
 
+def contender_shape(name: str, shape: Shape, baseline_as_is: bool = False) -> Shape:
+    """The shape a variant of ours runs: ours_baseline is told to pack (so a change is measured
+    against the baseline's best mode) unless it is to run as its checkout's user got it."""
+    return replace(shape, packing=True) if name == "ours_baseline" and not baseline_as_is else shape
+
+
 def ours_command(inp: dict, out: Path, precision: str, steps: int, extra: list[str], shape: Shape = BENCH) -> list[str]:
     # The machine's peak (the faster dtype's): with bf16 products widened to fp32 GEMMs on a CPU
     # without native bf16, the bf16 peak is not the ceiling of our bf16 run.
@@ -213,7 +220,7 @@ def run_one(name: str, precision: str, rep: int, inp: dict, args, out_dir: Path,
             contract = args.baseline_trainer.parent / "contract"
             paths = [args.baseline_trainer, *([contract] if contract.is_dir() else [])]
             env["PYTHONPATH"] = os.pathsep.join([*map(str, paths), env.get("PYTHONPATH", "")])
-        run_shape = replace(shape, packing=True) if name == "ours_baseline" else shape
+        run_shape = contender_shape(name, shape, getattr(args, "baseline_as_is", False))
         cmd = ours_command(inp, run_out, precision, args.steps, args.ours_extra + OURS[name], run_shape)
         code, rss = run_process(cmd, base.with_suffix(".log"), env)
         if code:
@@ -318,6 +325,8 @@ def main() -> None:
     ap.add_argument("--ours-extra", nargs="*", default=[], help="extra key=value overrides for our trainer")
     ap.add_argument("--baseline-trainer", type=Path, default=None,
                     help="a trainer/ directory (another checkout; its contract/ beside it) that ours_baseline runs")
+    ap.add_argument("--baseline-as-is", action="store_true",
+                    help="run ours_baseline with its checkout's own defaults instead of telling it to pack")
     args = ap.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)

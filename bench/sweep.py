@@ -9,7 +9,8 @@ like `make bench`, fp32:
   ours           our trainer with only the shape set: what a user who sets nothing else gets
                  (since issue 30 that is packed rows of up to micro x max_len tokens)
   ours_baseline  (with --baseline-trainer DIR) another checkout's trainer, told to pack: the
-                 "before" of a change, in the same run
+                 "before" of a change, in the same run (--baseline-as-is: with that
+                 checkout's own defaults, what its user got)
   trl_packed     TRL's fastest mode here (packed rows of max_len tokens)
   plain_padfree  a hand-written padding-free loop
 
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                     "with --baseline-trainer)")
     ap.add_argument("--baseline-trainer", type=Path, default=None,
                     help="a trainer/ directory (another checkout; its contract/ beside it) that ours_baseline runs")
+    ap.add_argument("--baseline-as-is", action="store_true",
+                    help="run ours_baseline with its checkout's own defaults (before issue 30: padded) "
+                    "instead of telling it to pack")
     ap.add_argument("--tokens", type=int, default=40000, help="timed tokens per contender and point (default 40000)")
     ap.add_argument("--work", type=Path, default=ROOT / ".bench")
     ap.add_argument("--out", type=Path, default=None, help="results (default WORK/sweep-results/<time>)")
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         inp, steps = point_inputs(point, shape, args.work, out, args.tokens, args.peak_seconds)
         peak = inp["peak"]
         run_args = argparse.Namespace(steps=steps + WARMUP, warmup=WARMUP, threads=0, ours_extra=[],
-                                      baseline_trainer=args.baseline_trainer)
+                                      baseline_trainer=args.baseline_trainer, baseline_as_is=args.baseline_as_is)
         (out / point).mkdir(exist_ok=True)
         row: dict = {"point": point, "shape": shape.__dict__, "steps": steps, "tokens_per_s": {}, "gflops": {},
                      "losses": {}}
@@ -142,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         (out / "sweep.json").write_text(json.dumps({"peak": peak, "rows": rows}, indent=1))
     text, verdicts = table(rows, peak)
+    if "ours_baseline" in contenders:
+        how = "its own defaults" if args.baseline_as_is else "told to pack"
+        text = f"ours_baseline: {args.baseline_trainer}, {how}\n" + text
     report = text + "\n\n" + "\n".join(verdicts) + "\n"
     (out / "sweep.md").write_text(report)
     print("\n" + report + f"\nraw runs: {out}")

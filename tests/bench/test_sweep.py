@@ -33,3 +33,14 @@ def test_verdicts_hold_every_point_to_the_trl_ratio_and_the_bench_point_to_the_m
     assert verdicts == ["bench: ours ÷ TRL packed 1.80× (need ≥ 1.7) PASS",
                         "bench: MFU 86.0% of the fp32 peak (need ≥ 85%) PASS",
                         "L128: ours ÷ TRL packed 1.50× (need ≥ 1.7) FAIL"]
+
+
+def test_the_baseline_is_told_to_pack_unless_it_runs_as_its_user_got_it():
+    from bench.run import contender_shape
+    from bench.sweep import POINTS
+
+    shape = POINTS["L128"]
+    assert "data.packing" not in shape.ours()                    # ours: the trainer's own default
+    assert contender_shape("ours", shape).ours() == shape.ours()
+    assert contender_shape("ours_baseline", shape).ours()["data.packing"] == "true"
+    assert "data.packing" not in contender_shape("ours_baseline", shape, baseline_as_is=True).ours()
