@@ -6,7 +6,7 @@
    varlen attention) on a packed row of 8 tokens against rows of ~250-token samples; the
    8-token pass is almost all per-micro-batch work (every weight's gradient written in full).
 
-    python -m bench.kernels [--model .bench/sweep/L512-n320/model]
+    python -m bench.kernels [--work .bench] [--model DIR]
 """
 from __future__ import annotations
 
@@ -71,11 +71,16 @@ def micro_batch_cost(model_dir: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, default=ROOT / ".bench" / "sweep" / "L512-n320" / "model",
-                    help="a model our trainer loads (bench.sweep makes one under WORK/sweep/*/model)")
+    ap.add_argument("--work", type=Path, default=ROOT / ".bench", help="bench.sweep's WORK directory")
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a model our trainer loads (default: the one bench.sweep made for length 512 under WORK)")
     args = ap.parse_args()
+    model = args.model
+    if model is None:
+        from bench.sweep import made_inputs
+        model = made_inputs(args.work, 512) / "model"
     attention()
-    micro_batch_cost(args.model)
+    micro_batch_cost(model)
 
 
 if __name__ == "__main__":

@@ -54,16 +54,12 @@ def main() -> None:
     from sftjob_trainer.precision import use_widened_bf16
 
     from bench.run import BENCH
-    from bench.sweep import POINTS
+    from bench.sweep import POINTS, made_inputs
 
     shape, inputs = BENCH, args.work
     if args.point:
         shape = POINTS[args.point]
-        made = sorted((args.work / "sweep").glob(f"L{shape.max_len}-n*/data/train.parquet"))
-        if not made:
-            raise SystemExit(f"no sweep data for {args.point} under {args.work / 'sweep'}: run "
-                             f"python -m bench.sweep --points {args.point} first")
-        inputs = made[-1].parent.parent
+        inputs = made_inputs(args.work, shape.max_len)
     model_dir, data = str(inputs / "model"), str(inputs / "data" / "train.parquet")
     world = World(0, 0, 1, torch.device("cpu"))
     gb = shape.global_batch

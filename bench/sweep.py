@@ -70,6 +70,16 @@ def point_inputs(name: str, shape: Shape, work: Path, out: Path, tokens: int, pe
     return inp, min(timed_steps(shape, inp["stats"]["total_len"]["mean"], tokens), need // shape.global_batch - WARMUP)
 
 
+def made_inputs(work: Path, max_len: int) -> Path:
+    """The inputs (data/, model/) bench.sweep made for sequences of up to max_len under
+    WORK/sweep: the largest set when several --tokens made several."""
+    made = [p for p in (work / "sweep").glob(f"L{max_len}-n*") if (p / "model").is_dir()]
+    if not made:
+        raise SystemExit(f"no sweep inputs of length {max_len} under {work / 'sweep'}: run python -m bench.sweep "
+                         "(or --points with a shape of that length) first")
+    return max(made, key=lambda p: int(p.name.rsplit("-n", 1)[1]))
+
+
 def ratio(tokens_per_s: dict[str, float], a: str, b: str) -> float:
     return tokens_per_s[a] / tokens_per_s[b] if tokens_per_s.get(a) and tokens_per_s.get(b) else float("nan")
 

@@ -44,3 +44,14 @@ def test_the_baseline_is_told_to_pack_unless_it_runs_as_its_user_got_it():
     assert contender_shape("ours", shape).ours() == shape.ours()
     assert contender_shape("ours_baseline", shape).ours()["data.packing"] == "true"
     assert "data.packing" not in contender_shape("ours_baseline", shape, baseline_as_is=True).ours()
+
+
+def test_profile_and_kernels_find_the_largest_set_the_sweep_made_for_a_length(tmp_path):
+    from bench.sweep import made_inputs
+
+    for name in ("L512-n192", "L512-n1000", "L512-n320", "L128-n5000"):
+        (tmp_path / "sweep" / name / "model").mkdir(parents=True)
+    (tmp_path / "sweep" / "L512-n9999").mkdir()          # a set whose model was never made
+    assert made_inputs(tmp_path, 512) == tmp_path / "sweep" / "L512-n1000"   # by rows, not by name
+    with pytest.raises(SystemExit, match="no sweep inputs of length 2048"):
+        made_inputs(tmp_path, 2048)
