@@ -39,6 +39,7 @@ POINTS: dict[str, Shape] = {
     "bench": BENCH,
     "L2048": Shape(max_len=2048, global_batch=16, micro_batch=2),
     "micro1": Shape(micro_batch=1),
+    "micro16": Shape(global_batch=32, micro_batch=16),
     "G64": Shape(global_batch=64, micro_batch=8),
     "2ranks": Shape(nproc=2),
 }
@@ -84,6 +85,10 @@ def ratio(tokens_per_s: dict[str, float], a: str, b: str) -> float:
     return tokens_per_s[a] / tokens_per_s[b] if tokens_per_s.get(a) and tokens_per_s.get(b) else float("nan")
 
 
+def times(x: float) -> str:
+    return "–" if math.isnan(x) else f"{x:.2f}×"
+
+
 def table(rows: list[dict], peak: dict) -> tuple[str, list[str]]:
     fp32 = peak["peak_gflops_fp32"]
     lines = [f"fp32 matmul peak {fp32:.0f} GFLOP/s ({peak['threads']} threads); tokens/s, MFU of ours against it", "",
@@ -100,7 +105,7 @@ def table(rows: list[dict], peak: dict) -> tuple[str, list[str]]:
                                                                        ("ours", "plain_padfree")))
         lines.append(f"| {r['point']} | {s['max_len']} | {s['global_batch']} | {s['micro_batch']} | {s['nproc']} "
                      f"| {r['steps']} | " + " | ".join(f"{t[c]:.0f}" if c in t else "–" for c in CONTENDERS)
-                     + f" | {mfu:.1%} | {vs_trl:.2f}× | {base:.2f}× | {vs_base:.2f}× | {vs_plain:.2f}× |")
+                     + f" | {mfu:.1%} | " + " | ".join(map(times, (vs_trl, base, vs_base, vs_plain))) + " |")
         verdicts.append(f"{r['point']}: ours ÷ TRL packed {vs_trl:.2f}× (need ≥ {TRL_RATIO}) "
                         f"{'PASS' if vs_trl >= TRL_RATIO else 'FAIL'}")
         if r["point"] == "bench":

@@ -198,12 +198,13 @@ class DataConfig(_Section):
     max_tokens_per_micro_batch: int | None = Field(
         default=None,
         gt=0,
-        description="Form micro-batches by tokens instead of by count: consecutive samples of a "
-        "rank's share of the global batch are grouped while their total length stays within this "
-        "budget (a longer sample forms a micro-batch alone), and every rank runs as many micro-batches "
-        "as the rank that needs the most. micro_batch_size_per_gpu is then not used for training. "
-        "Unset: micro_batch_size_per_gpu x max_length tokens with packing, micro_batch_size_per_gpu "
-        "sequences without.",
+        description="Form micro-batches by tokens instead of by count: the global batch is shared "
+        "between ranks by tokens (the same number of samples each, longest first to the rank with the "
+        "fewest tokens), and consecutive samples of a rank's share are grouped while their total "
+        "length stays within this budget (a longer sample forms a micro-batch alone); every rank "
+        "runs as many micro-batches as the rank that needs the most. micro_batch_size_per_gpu is "
+        "then not used for training. Unset: micro_batch_size_per_gpu x max_length tokens with "
+        "packing, micro_batch_size_per_gpu sequences without.",
     )
 
     _as_list_train = field_validator("train_files", "val_files", mode="before")(_as_list)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig
 from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
-from sftjob_trainer.batching import GlobalBatches, collate, split_to, token_groups
+from sftjob_trainer.batching import GlobalBatches, collate, logged_ids, rank_shares, split_to, token_groups
 
 from . import runner
 
@@ -110,7 +110,63 @@ def test_token_budget_micro_batches_are_world_size_independent(assets, tok):
         for world in (2, 4):
             ranks = [GlobalBatches(ds, c, 3, r, world, 0).step_batches(0, cursor) for r in range(world)]
             assert len({len(r) for r in ranks}) == 1, "every rank must run the same number of forwards"
-            assert ids(one) == [i for r in ranks for i in ids(r)]
+            assert sorted(ids(one)) == sorted(i for r in ranks for i in ids(r)), "the same samples at every size"
+            assert {len(ids(r)) for r in ranks} == {16 // world}
+
+
+@pytest.mark.unit
+def test_rank_shares_balance_tokens_with_the_same_sample_count():
+    """Issue 30: the step waits for the busiest rank, so with a token budget each rank gets
+    an equal count of samples but about equal tokens, not a contiguous slice of the batch."""
+    rng = np.random.default_rng(0)
+    worst_contiguous, worst_balanced = [], []
+    for _ in range(200):
+        lengths = np.minimum(rng.lognormal(5.3, 0.6, 16).astype(int) + 1, 512)
+        for world in (2, 4):
+            shares = rank_shares(lengths, world)
+            assert sorted(p for s in shares for p in s.tolist()) == list(range(16))
+            assert all(len(s) == 16 // world and list(s) == sorted(s) for s in shares)
+            mean = lengths.sum() / world
+            worst_balanced.append(max(lengths[s].sum() for s in shares) / mean)
+            worst_contiguous.append(max(lengths[r * 16 // world:(r + 1) * 16 // world].sum()
+                                        for r in range(world)) / mean)
+    assert np.mean(worst_balanced) < 1.03 and np.mean(worst_contiguous) > 1.1, (
+        np.mean(worst_balanced), np.mean(worst_contiguous))
+    # Pure: the same lengths give the same shares; ties go to the lower rank.
+    assert [s.tolist() for s in rank_shares(np.array([5, 5, 5, 5]), 2)] == [[0, 2], [1, 3]]
+
+
+@pytest.mark.unit
+def test_logged_sample_ids_are_in_batch_order_at_any_world_size(caplog):
+    """metrics.jsonl's sample_ids compare across resizes although packed shares are not contiguous;
+    a rank that trained anything else is written as it was, and logged."""
+    assert logged_ids([7, 3, 9, 1], [[3, 1], [7, 9]]) == [7, 3, 9, 1]
+    assert logged_ids([7, 3, 9, 1], [[3, 1], [7, 7]]) == [3, 1, 7, 7]
+    assert "not the step's global batch [7, 3, 9, 1]" in caplog.text
+
+
+@pytest.mark.unit
+def test_packed_ranks_get_balanced_tokens_and_padded_ranks_contiguous_slices(assets, tok):
+    f = str(assets / "data" / "train.parquet")
+    packed = DataConfig(train_files=[f], max_length=64, train_batch_size=16, micro_batch_size_per_gpu=2)
+    padded = DataConfig(train_files=[f], max_length=64, train_batch_size=16, micro_batch_size_per_gpu=2,
+                        packing=False)
+    ds = SFTDataset([f], SampleBuilder(tok, packed), "train")
+    order = ds.epoch_order(3, 0, packed.shuffle)[:16]
+    tokens = lambda mbs: sum(mb.n_tokens for mb in mbs)  # noqa: E731 - a one-line helper
+    ranks = [GlobalBatches(ds, packed, 3, r, 2, 0).step_batches(0, 0) for r in range(2)]
+    want = [order[rank_shares(ds.lengths[order], 2)[r]].tolist() for r in range(2)]
+    assert [[i for mb in mbs for i in mb.sample_ids] for mbs in ranks] == want
+    # Over the epoch the busiest rank (what each step waits for) carries fewer tokens than
+    # with contiguous halves.
+    busiest, halves = 0, 0
+    for cursor in range(0, ds.epoch_size - 15, 16):
+        busiest += max(tokens(GlobalBatches(ds, packed, 3, r, 2, 0).step_batches(0, cursor)) for r in range(2))
+        ids = ds.epoch_order(3, 0, packed.shuffle)[cursor:cursor + 16]
+        halves += max(ds.lengths[ids[:8]].sum(), ds.lengths[ids[8:]].sum())
+    assert busiest < halves, (busiest, halves)
+    rows = [GlobalBatches(ds, padded, 3, r, 2, 0).step_batches(0, 0) for r in range(2)]
+    assert [[i for mb in mbs for i in mb.sample_ids] for mbs in rows] == [order[:8].tolist(), order[8:].tolist()]
 
 
 @pytest.mark.unit

@@ -5,10 +5,14 @@ sources `mixing.MixedDataset.epoch_order`, a pure function of seed and epoch) at
 sample cursor; each rank takes its share of it, so a checkpoint written by N processes
 resumes on M processes with the same samples. Packing
 groups a rank's samples into rows under a token budget (`token_groups`), and the rows are
-spread over the micro-batches of an accumulation (`split_to`).
+spread over the micro-batches of an accumulation (`split_to`). With a token budget the
+shares are balanced by tokens (`rank_shares`), since the step waits for the busiest rank;
+without one each rank takes a contiguous slice.
 """
 from __future__ import annotations
 
+import heapq
+import logging
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 
@@ -23,6 +27,7 @@ from .mixing import MixedDataset
 from .errors import InvalidData
 
 SP_FIELD = "trainer.sequence_parallel_size"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class GlobalBatches:
                 f"data.micro_batch_size_per_gpu ({cfg.micro_batch_size_per_gpu}) must divide the per-rank batch "
                 f"({self.per_rank} = data.train_batch_size {cfg.train_batch_size} / {world} {what})"
             )
-        self.dataset, self.cfg, self.seed, self.rank, self.pad_id = dataset, cfg, seed, rank, pad_id
+        self.dataset, self.cfg, self.seed, self.rank, self.world, self.pad_id = dataset, cfg, seed, rank, world, pad_id
         self.shard = shard
         self.global_batch = cfg.train_batch_size
         self.steps_per_epoch = dataset.epoch_size // self.global_batch
@@ -107,20 +112,25 @@ class GlobalBatches:
             self._order_epoch = epoch
         return self._order
 
+    def step_ids(self, epoch: int, cursor: int) -> list[int]:
+        """The global batch starting at ``cursor``: its sample ids, all ranks together, in order."""
+        return self.order(epoch)[cursor : cursor + self.global_batch].tolist()
+
     def step_batches(self, epoch: int, cursor: int) -> list[MicroBatch]:
         """The micro-batches of this rank for the global batch starting at ``cursor``."""
         ids = self.order(epoch)[cursor : cursor + self.global_batch]
-        slices = [ids[r * self.per_rank : (r + 1) * self.per_rank] for r in range(self.global_batch // self.per_rank)]
-        mine = slices[self.rank]
         budget = self.cfg.token_budget()
         if budget is None:
             m = self.cfg.micro_batch_size_per_gpu
+            mine = ids[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
             groups = [mine[k : k + m] for k in range(0, len(mine), m)]
         else:
             # Every rank must run the same number of forwards (FSDP gathers weights in each),
             # and each can count the others' from the shared lengths table: no communication.
             lengths = self.dataset.lengths
-            count = max(len(token_groups(lengths[s], budget)) for s in slices)
+            shares = [ids[s] for s in rank_shares(lengths[ids], self.world)]
+            mine = shares[self.rank]
+            count = max(len(token_groups(lengths[s], budget)) for s in shares)
             groups = [mine[g] for g in split_to(token_groups(lengths[mine], budget), count)]
         out = []
         for group in groups:
@@ -128,6 +138,36 @@ class GlobalBatches:
             mb = collate([self.dataset.sample(i) for i in chunk], chunk, self.cfg.packing, self.pad_id)
             out.append(self.shard(mb) if self.shard else mb)
         return out
+
+
+def rank_shares(lengths: np.ndarray, world: int) -> list[np.ndarray]:
+    """Each rank's positions in a global batch whose samples have ``lengths``: the same number
+    of samples each, their tokens balanced (longest first, to the rank with the fewest tokens
+    that still has room; ties to the lower rank), each share in batch order.
+
+    A pure function of the lengths and the world size, so every rank computes every share
+    and a resume at the same size trains the same micro-batches."""
+    per = len(lengths) // world
+    open_ranks = [(0, r) for r in range(world)]   # (tokens, rank), a heap of ranks with room
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for pos in np.argsort(-lengths, kind="stable").tolist():
+        tokens, r = heapq.heappop(open_ranks)
+        shares[r].append(pos)
+        if len(shares[r]) < per:
+            heapq.heappush(open_ranks, (tokens + int(lengths[pos]), r))
+    return [np.array(sorted(s), dtype=np.int64) for s in shares]
+
+
+def logged_ids(planned: list[int], parts: list[list[int]]) -> list[int]:
+    """A step's sample ids for metrics.jsonl (trainer.log_sample_ids) from each rank's ``parts``:
+    in the global batch's order (``planned``) at any world size, since packed shares are not
+    contiguous, so runs compare step by step across resizes. Ranks that trained anything but
+    exactly that batch are logged as an error, and what they trained is what is written."""
+    trained = [i for part in parts for i in part]
+    if sorted(trained) == sorted(planned):
+        return planned
+    log.error("trained samples %s, not the step's global batch %s", trained, planned)
+    return trained
 
 
 def token_groups(lengths: np.ndarray, budget: int) -> list[slice]:

@@ -16,7 +16,7 @@ from . import checkpoint as ckpt
 from . import dist as dist_utils
 from . import early_stop, mixing, tracking
 from .data import SampleBuilder, SFTDataset
-from .batching import GlobalBatches, eval_batches
+from .batching import GlobalBatches, eval_batches, logged_ids
 from .dist import World
 from .errors import CheckpointFailed, InvalidConfig, NonFiniteLoss, TrainerError
 from .export import export
@@ -40,7 +40,6 @@ def peak_rss_mb() -> float:
 
 _NON_FINITE_HINT = ("Check the base model spec.model.path for NaN/inf weights, or lower spec.training.optim.lr, "
                     "or use spec.training.precision fp32")
-
 
 HOLD_TICK_S = 0.2   # how often the ranks agree, while holding, whether to stop or go on
 
@@ -298,6 +297,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
+        planned = self.batches.step_ids(self.state.epoch, self.state.cursor)
 
         self.state = ckpt.TrainerState(**{**self.state.__dict__, **self._advance(),
                                           "tokens_seen": self.state.tokens_seen + int(n_tokens),
@@ -307,8 +307,8 @@ class Trainer:
                                                  grad_norm=grad_norm, tokens=int(n_tokens),
                                                  tokens_per_s=n_tokens / seconds, max_rss_mb=rss)
         if self.cfg.trainer.log_sample_ids:
-            ids = dist_utils.all_gather_objects([i for mb in micro_batches for i in mb.sample_ids])
-            row["sample_ids"] = [i for part in ids for i in part]
+            parts = dist_utils.all_gather_objects([i for mb in micro_batches for i in mb.sample_ids])
+            row["sample_ids"] = logged_ids(planned, parts)
         if self.cfg.trainer.peak_tflops:
             lengths = dist_utils.all_gather_objects([n for mb in micro_batches for n in mb.seq_lengths])
             flops = step_flops(self.n_matmul, self.n_layers, self.d_attn, [n for part in lengths for n in part])
