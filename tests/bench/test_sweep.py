@@ -29,7 +29,9 @@ def test_verdicts_hold_every_point_to_the_trl_ratio_and_the_bench_point_to_the_m
             {"point": "L128", "shape": {"max_len": 128, "global_batch": 16, "micro_batch": 4, "nproc": 1},
              "steps": 40, "tokens_per_s": {"ours": 1500.0, "trl_packed": 1000.0}, "gflops": {"ours": 50.0}}]
     text, verdicts = table(rows, peak)
-    assert "| bench | 512 | 16 | 4 | 1 | 10 | 1800 | 900 | 1000 | – | 86.0% | 1.80× | 0.90× | 2.00× | nan× |" in text
+    assert "| bench | 512 | 16 | 4 | 1 | 10 | 1800 | 900 | 1000 | – | 86.0% | 1.80× | 0.90× | 2.00× | – |" in text
+    # A contender without a run has no ratio.
+    assert "| L128 | 128 | 16 | 4 | 1 | 40 | 1500 | – | 1000 | – | 50.0% | 1.50× | – | – | – |" in text
     assert verdicts == ["bench: ours ÷ TRL packed 1.80× (need ≥ 1.7) PASS",
                         "bench: MFU 86.0% of the fp32 peak (need ≥ 85%) PASS",
                         "L128: ours ÷ TRL packed 1.50× (need ≥ 1.7) FAIL"]
