@@ -2,7 +2,9 @@
 
 1. Attention kernels: torch's CPU flash sdpa against the math path (one [s, s] product each
    way), causal forward + backward of one sequence, at lengths 64...2000.
-2. A micro-batch's fixed cost: a forward + backward of our trainer's model (the loss head,
+2. A packed row's attention: one causal sdpa call per sample (what our trainer runs on CPU)
+   against one batched call over the samples padded to the longest, for many short samples.
+3. A micro-batch's fixed cost: a forward + backward of our trainer's model (the loss head,
    varlen attention) on a packed row of 8 tokens against rows of ~250-token samples; the
    8-token pass is almost all per-micro-batch work (every weight's gradient written in full).
 
@@ -49,6 +51,44 @@ def attention(heads: int = 6, head_dim: int = 64) -> None:
               f"| {flops / ms['flash'] / 1e6:.0f} |")
 
 
+def packed_row_case(lens: list[int], cap: int, heads: int, kv_heads: int, head_dim: int) -> tuple[float, float]:
+    """(per-sample calls, one padded call) in ms, forward + backward, for samples of ``lens`` tokens."""
+    import torch
+    import torch.nn.functional as F
+
+    n = len(lens)
+    q = torch.randn(1, heads, sum(lens), head_dim, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, sum(lens), head_dim, requires_grad=True) for _ in range(2))
+    rows = torch.cat([torch.arange(i * cap, i * cap + m) for i, m in enumerate(lens)])
+
+    def per_sample():
+        parts = [F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+                 for a, b, c in zip(q.split(lens, 2), k.split(lens, 2), v.split(lens, 2))]
+        torch.cat(parts, 2).sum().backward()
+
+    def pad(x):
+        return x.new_zeros(x.shape[1], n * cap, head_dim).index_copy(1, rows, x[0]) \
+            .view(x.shape[1], n, cap, head_dim).transpose(0, 1)
+
+    def padded():   # right-padded to cap: causal keeps every real query off the padding
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
+        out.transpose(0, 1).reshape(heads, n * cap, head_dim).index_select(1, rows).sum().backward()
+
+    return timed(per_sample, 5), timed(padded, 5)
+
+
+def packed_row_attention(heads: int = 6, kv_heads: int = 2, head_dim: int = 64) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    print("| samples × max length | tokens | per-sample calls ms | one padded call ms | padded ÷ per-sample |\n"
+          "|---|---|---|---|---|")
+    for n, cap in ((128, 64), (64, 128), (16, 512)):
+        lens = torch.randint(cap // 4, cap + 1, (n,), generator=g).tolist()
+        a, b = packed_row_case(lens, cap, heads, kv_heads, head_dim)
+        print(f"| {n} × {cap} | {sum(lens)} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+
+
 def micro_batch_cost(model_dir: Path) -> None:
     import torch
 
@@ -80,6 +120,7 @@ def main() -> None:
         from bench.sweep import made_inputs
         model = made_inputs(args.work, 512) / "model"
     attention()
+    packed_row_attention()
     micro_batch_cost(model)
 
 
