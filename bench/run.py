@@ -57,9 +57,10 @@ DATA_SHA = "80c74d2f"  # prefix of make_data.py's ids_sha256 for the default arg
 
 
 def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, peak_sizes: str = "1024,2048",
-            threads: int = 0, data_args: tuple[str, ...] = ()) -> dict:
+            threads: int = 0, data_args: tuple[str, ...] = (), peak_dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict:
     """Data and the seed-0 model in the form our trainer loads (made once), and the matmul peak.
-    ``data_args``: make_data.py's length options, for a set of another shape (bench.sweep)."""
+    ``data_args``: make_data.py's length options, for a set of another shape (bench.sweep);
+    ``peak_dtypes``: the dtypes whose peak is measured (bench.sweep runs fp32 only)."""
     py = sys.executable
     data = work / "data"
     if not (data / "train.parquet").exists():
@@ -78,7 +79,8 @@ def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, p
     peak_json = out_dir / "peak.json"
     if not peak_json.exists():
         subprocess.run([py, "-m", "bench.matmul_peak", "--json", str(peak_json), "--seconds", str(peak_seconds),
-                        "--repeats", "2", "--sizes", *peak_sizes.split(","), "--threads", str(threads)], check=True,
+                        "--repeats", "2", "--sizes", *peak_sizes.split(","), "--threads", str(threads),
+                        "--dtypes", *peak_dtypes], check=True,
                        stdout=subprocess.DEVNULL, cwd=ROOT)
     return {"data": data, "model": model, "peak": json.loads(peak_json.read_text()), "peak_json": peak_json,
             "stats": stats}

@@ -15,9 +15,10 @@ like `make bench`, fp32:
   plain_padfree  a hand-written padding-free loop
 
 Each contender trains until about ``--tokens`` tokens are timed (after 2 warm-up steps), so
-every point costs about the same time. MFU is against the matmul peak measured once at the
-start (bench.matmul_peak). The table and the verdicts (ours ÷ TRL packed ≥ 1.7 at every
-point; MFU ≥ 85 % at the bench shape) go to OUT/sweep.md, the raw runs beside it.
+every point costs about the same time. MFU is against the fp32 matmul peak measured once at
+the start (bench.matmul_peak; bf16's is not measured: minutes where a CPU emulates it). The
+table and the verdicts (ours ÷ TRL packed ≥ 1.7 at every point; MFU ≥ 85 % at the bench
+shape) go to OUT/sweep.md, the raw runs beside it.
 
     python -m bench.sweep                          # every point (~25 min on a quiet 2-core box)
     python -m bench.sweep --points bench,L2048 --tokens 20000
@@ -66,7 +67,7 @@ def point_inputs(name: str, shape: Shape, work: Path, out: Path, tokens: int, pe
     steps = timed_steps(shape, mean, tokens)
     need = max(64, (steps + WARMUP) * shape.global_batch)
     inp = prepare(work / "sweep" / f"L{shape.max_len}-n{need}", out, peak_seconds, need, threads=0,
-                  data_args=data_args(shape))
+                  data_args=data_args(shape), peak_dtypes=("fp32",))
     # Sized by the set's real mean, within the rows made (a second epoch would repeat samples).
     return inp, min(timed_steps(shape, inp["stats"]["total_len"]["mean"], tokens), need // shape.global_batch - WARMUP)
 

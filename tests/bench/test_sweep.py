@@ -57,3 +57,19 @@ def test_profile_and_kernels_find_the_largest_set_the_sweep_made_for_a_length(tm
     assert made_inputs(tmp_path, 512) == tmp_path / "sweep" / "L512-n1000"   # by rows, not by name
     with pytest.raises(SystemExit, match="no sweep inputs of length 2048"):
         made_inputs(tmp_path, 2048)
+
+
+def test_the_peak_is_measured_for_the_dtypes_asked_only(tmp_path, monkeypatch):
+    """bench.sweep runs fp32 only and asks for the fp32 peak alone: an emulated bf16 peak costs minutes."""
+    import json
+    import sys
+
+    from bench import matmul_peak
+
+    out = tmp_path / "peak.json"
+    monkeypatch.setattr(sys, "argv", ["matmul_peak", "--dtypes", "fp32", "--sizes", "32", "--seconds", "0.001",
+                                      "--repeats", "1", "--json", str(out)])
+    matmul_peak.main()
+    peak = json.loads(out.read_text())
+    assert list(peak["by_size"]) == ["fp32"] and "peak_gflops_bf16" not in peak
+    assert peak["peak_dtype"] == "fp32" and peak["peak_gflops"] == peak["peak_gflops_fp32"] > 0
