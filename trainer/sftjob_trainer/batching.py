@@ -114,11 +114,14 @@ class GlobalBatches:
 
     def step_ids(self, epoch: int, cursor: int) -> list[int]:
         """The global batch starting at ``cursor``: its sample ids, all ranks together, in order."""
-        return self.order(epoch)[cursor : cursor + self.global_batch].tolist()
+        return self._batch(epoch, cursor).tolist()
+
+    def _batch(self, epoch: int, cursor: int) -> np.ndarray:
+        return self.order(epoch)[cursor : cursor + self.global_batch]
 
     def step_batches(self, epoch: int, cursor: int) -> list[MicroBatch]:
         """The micro-batches of this rank for the global batch starting at ``cursor``."""
-        ids = self.order(epoch)[cursor : cursor + self.global_batch]
+        ids = self._batch(epoch, cursor)
         budget = self.cfg.token_budget()
         if budget is None:
             m = self.cfg.micro_batch_size_per_gpu

@@ -297,7 +297,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
-        planned = self.batches.step_ids(self.state.epoch, self.state.cursor)
+        planned = self.batches.step_ids(self.state.epoch, self.state.cursor) if self.cfg.trainer.log_sample_ids else []
 
         self.state = ckpt.TrainerState(**{**self.state.__dict__, **self._advance(),
                                           "tokens_seen": self.state.tokens_seen + int(n_tokens),
