@@ -37,6 +37,22 @@ def test_verdicts_hold_every_point_to_the_trl_ratio_and_the_bench_point_to_the_m
                         "L128: ours ÷ TRL packed 1.50× (need ≥ 1.7) FAIL"]
 
 
+def test_repetitions_show_medians_and_every_repetition_must_pass():
+    """--reps: a median that passes is not enough when one repetition's own ratio fails."""
+    from bench.sweep import median_row, table
+
+    peak = {"peak_gflops_fp32": 100.0, "threads": 2}
+    row = median_row({"point": "2ranks", "shape": {"max_len": 512, "global_batch": 16, "micro_batch": 4, "nproc": 2},
+                      "steps": 10, "runs": {"ours": [1800.0, 1700.0, 1900.0], "trl_packed": [1000.0, 1050.0, 900.0]},
+                      "runs_gflops": {"ours": [60.0, 50.0, 70.0], "trl_packed": [1.0, 1.0, 1.0]}})
+    assert row["tokens_per_s"] == {"ours": 1800.0, "trl_packed": 1000.0} and row["gflops"]["ours"] == 60.0
+    text, verdicts = table([row], peak)
+    assert "| 2ranks | 512 | 16 | 4 | 2 | 10 | 1800 | – | 1000 | – | 60.0% | 1.80× |" in text
+    assert verdicts == ["2ranks: ours ÷ TRL packed 1.80× (need ≥ 1.7) per repetition 1.80×, 1.62×, 2.11× FAIL"]
+    row["runs"]["trl_packed"][1] = 950.0
+    assert table([row], peak)[1][0].endswith("1.79×, 2.11× PASS")
+
+
 def test_the_baseline_is_told_to_pack_unless_it_runs_as_its_user_got_it():
     from bench.run import contender_shape
     from bench.sweep import POINTS
