@@ -23,6 +23,15 @@ class Result:
     def vals(self) -> list[dict]:
         return [r for r in read_metrics(self.out_dir) if "val_loss" in r]
 
+    def why(self, tail: int = 2000) -> str:
+        """For an assertion message: every rank's error lines (a traceback's last line, an
+        ERROR log, the launcher's verdict), which torchrun's long summary pushes out of any
+        tail, then the tail itself."""
+        marks = (" ERROR ", "Error:", "Exception:", "sftjob launch:")
+        errors = [line for line in self.output.splitlines()
+                  if any(m in line for m in marks) and "torch/distributed/elastic" not in line]
+        return "\n".join(errors[-40:]) + "\n[...]\n" + self.output[-tail:]
+
 
 def read_metrics(out_dir: Path) -> list[dict]:
     path = Path(out_dir) / "metrics.jsonl"

@@ -42,7 +42,7 @@ def test_a_full_disk_fails_the_run_with_a_reason_naming_it(assets, small_disk, t
                                             "trainer.save_freq": 1, "trainer.keep_checkpoints": 50})
     started = time.monotonic()
     res = runner.run(args, out, nproc=2, timeout=300, extra_env={E.TERMINATION_LOG: str(termination)})
-    assert res.code == exits.FAILED, res.output[-3000:]
+    assert res.code == exits.FAILED, res.why()
     assert time.monotonic() - started < 120, "a failed write must end the run, not leave it waiting"
     reason = termination.read_text().strip()
     assert reason.startswith(f"{exits.REASON_TRAINING_ERROR}: "), reason
@@ -50,4 +50,4 @@ def test_a_full_disk_fails_the_run_with_a_reason_naming_it(assets, small_disk, t
     assert f"the file system holding {out}/checkpoints/step-" in reason and "is full" in reason, reason
     # what was committed before the disk filled is still whole: the newest is resumable
     committed = sorted(out.glob("checkpoints/step-*/COMMITTED"))
-    assert committed, res.output[-3000:]
+    assert committed, res.why()

@@ -139,7 +139,7 @@ def test_a_preempted_run_resumes_the_count_and_stops_at_the_same_step(assets, tm
     assert 1 <= state["val_without_improvement"] < PATIENCE and state["best_val_step"] == best_step, state
 
     res = runner.run(args(assets, tmp_path, out), out)
-    assert res.code == 0, res.output
+    assert res.code == 0, res.why()
     assert res.steps()[-1]["step"] == ref_stop, "the resumed run must stop where the uninterrupted one did"
     vals = {r["step"]: r["val_loss"] for r in res.vals()}
     assert vals.keys() == ref_vals.keys()

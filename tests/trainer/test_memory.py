@@ -45,6 +45,6 @@ def test_rss_does_not_grow_with_a_1gb_dataset(assets, tmp_path):
                                                 "data.truncation": "left", "trainer.total_training_steps": 3,
                                                 "data.micro_batch_size_per_gpu": 2})
         res = runner.run(args, out, nproc=2, timeout=1800)
-        assert res.code == 0, res.output
+        assert res.code == 0, res.why()
         peaks[name] = peak_rss(out)
     assert peaks["big"] - peaks["small"] < 300, peaks

@@ -79,7 +79,7 @@ def test_s3_run_equals_local_run_and_publishes_everything(minio, assets, tmp_pat
 
     uri = f"s3://{BUCKET}/runs/equal"
     res = runner.run(s3_args(uri, **{"trainer.save_freq": 4}), tmp_path, nproc=2, extra_env=env_for(minio, tmp_path))
-    assert res.code == 0, res.output
+    assert res.code == 0, res.why()
     assert f"model: {uri}/hf/final" in res.output
     got = remote_metrics(minio, "runs/equal")
     assert [got[s]["loss"] for s in range(1, 13)] == [r["loss"] for r in ref.steps()]

@@ -181,7 +181,7 @@ def test_bf16_training_on_two_ranks_tracks_fp32(assets, tmp_path):
     for name, extra in {"fp32": {}, "bf16": {"trainer.precision": "bf16", "trainer.cpu_bf16_gemm": "widened"}}.items():
         out = tmp_path / name
         res = runner.run(runner.base_args(assets, out, **over, **extra), out, nproc=2)
-        assert res.code == 0, res.output
+        assert res.code == 0, res.why()
         losses[name] = [r["loss"] for r in res.steps()]
     assert len(losses["fp32"]) == len(losses["bf16"]) == 6
     assert losses["fp32"][-1] < losses["fp32"][0]

@@ -203,7 +203,7 @@ def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_pa
     for name, extra in variants.items():
         out = tmp_path / name
         res = runner.run(runner.base_args(assets, out, **over, **extra), out)
-        assert res.code == 0, res.output
+        assert res.code == 0, res.why()
         steps = res.steps()
         losses[name] = [r["loss"] for r in steps]
         assert all(0 < r["mfu"] < 1 and r["time"] > 0 for r in steps)

@@ -25,7 +25,7 @@ def test_loss_falls_and_export_reproduces_val_loss(assets, tmp_path, lora):
     if lora:
         over |= {"optim.lr": 1e-2, "lora.alpha": 32}
     res = runner.run(runner.base_args(assets, out, **over), out)
-    assert res.code == 0, res.output
+    assert res.code == 0, res.why()
     steps = res.steps()
     assert len(steps) == 100 and [r["step"] for r in steps] == list(range(1, 101))
     assert drop(steps) >= 0.40, f"loss fell only {drop(steps):.0%}: {steps[0]['loss']:.3f} -> {steps[-1]['loss']:.3f}"
@@ -93,7 +93,7 @@ def test_accumulation_and_world_size_invariance(assets, tmp_path):
         out = tmp_path / name
         res = runner.run(runner.base_args(assets, out, **{"data.micro_batch_size_per_gpu": micro,
                                                           "trainer.total_training_steps": 5}), out, nproc=nproc)
-        assert res.code == 0, res.output
+        assert res.code == 0, res.why()
         runs[name] = [r["loss"] for r in res.steps()]
     assert len(runs["1x8"]) == 5
     for name in ("8x1", "2proc"):
@@ -138,6 +138,9 @@ def test_empty_file_and_wrong_type_under_torchrun(assets, tmp_path):
     out = tmp_path / "out"
     res = runner.run(runner.base_args(assets, out, **{"data.train_files": empty}), out, nproc=2)
     assert res.code == 2 and "has no rows" in res.output
+    # torchrun's per-rank summary says "error_file: <N/A>"; the launcher's last line says why.
+    assert res.output.rstrip().splitlines()[-1].startswith("sftjob launch: the first failure: InvalidData: "), \
+        res.output[-1000:]
 
     typed = tmp_path / "typed.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": 1, "response": "a"}] * 8), typed)
@@ -168,7 +171,7 @@ def test_validation_with_fewer_rows_than_ranks(assets, tmp_path):
         args = runner.base_args(assets, out, **{"data.val_files": val, "trainer.total_training_steps": 2,
                                                 "data.micro_batch_size_per_gpu": 2})
         res = runner.run(args, out, nproc=nproc, timeout=300)
-        assert res.code == 0, res.output
+        assert res.code == 0, res.why()
         losses[nproc] = [r["val_loss"] for r in res.vals()]
     assert losses[1] and len(losses[1]) == len(losses[2])
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2])) < 1e-4, losses
@@ -201,7 +204,7 @@ def test_tied_qwen2_with_dynamic_rope_trains_the_same_on_2_ranks(assets, tmp_pat
         args = runner.base_args(assets, out, **{"model.path": model_dir, "trainer.total_training_steps": 4,
                                                 "data.micro_batch_size_per_gpu": 2})
         res = runner.run(args, out, nproc=nproc)
-        assert res.code == 0, res.output
+        assert res.code == 0, res.why()
         runs[nproc] = [r["loss"] for r in res.steps()]
     assert len(runs[1]) == 4
     assert max(abs(a - b) for a, b in zip(runs[1], runs[2])) < 1e-5, runs

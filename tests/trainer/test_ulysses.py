@@ -121,7 +121,7 @@ def reference(assets, tmp_path_factory) -> dict[str, dict[int, dict]]:
     for name, over in (("packed", PACKED), ("lora", LORA_UNPACKED)):
         d = tmp_path_factory.mktemp(f"ref-{name}")
         res = run(base_args(assets, d, **over), d)
-        assert res.code == 0, res.output[-3000:]
+        assert res.code == 0, res.why()
         out[name] = steps(d)
     return out
 
@@ -130,7 +130,7 @@ def reference(assets, tmp_path_factory) -> dict[str, dict[int, dict]]:
 @pytest.mark.parametrize("nproc,sp", [(2, 2), (4, 4)], ids=["sp2-of-2", "sp4-of-4"])
 def test_packed_full_tuning_with_sp_equals_the_run_without(assets, tmp_path, reference, nproc, sp):
     res = run(base_args(assets, tmp_path, **PACKED, **{"trainer.sequence_parallel_size": sp}), tmp_path, nproc=nproc)
-    assert res.code == 0, res.output[-3000:]
+    assert res.code == 0, res.why()
     assert_same_run(steps(tmp_path), reference["packed"])
 
 
@@ -139,7 +139,7 @@ def test_lora_on_padded_rows_with_2_sp_groups_of_2_equals_the_run_without(assets
     """4 ranks as dp 2 x sp 2: each SP group reads half of every global batch."""
     res = run(base_args(assets, tmp_path, **LORA_UNPACKED, **{"trainer.sequence_parallel_size": 2}), tmp_path,
               nproc=4)
-    assert res.code == 0, res.output[-3000:]
+    assert res.code == 0, res.why()
     assert_same_run(steps(tmp_path), reference["lora"])
 
 
@@ -160,4 +160,4 @@ def test_a_checkpoint_taken_with_sp_resumes_without_sp_as_if_never_stopped(asset
 def test_sp_that_does_not_divide_the_world_exits_2_naming_the_field(assets, tmp_path):
     res = run(base_args(assets, tmp_path, **{"trainer.sequence_parallel_size": 2}), tmp_path)
     assert res.code == 2 and "trainer.sequence_parallel_size=2 must divide the number of processes (1)" in res.output, \
-        res.output[-3000:]
+        res.why()

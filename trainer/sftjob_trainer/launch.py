@@ -7,7 +7,8 @@ itself exits 1 for every failure, also when the platform stopped it with SIGTERM
 - SIGTERM is forwarded to torchrun (which forwards it to the trainer processes, which
   checkpoint at the next step boundary), and the launcher then exits 143;
 - a failed run exits 2 when the trainer's termination message names a config or data
-  error (permanent: retrying cannot help), else torchrun's own code.
+  error (permanent: retrying cannot help), else torchrun's own code; either way the
+  first rank's one-line reason is the log's last line.
 torchrun's SIGTERM→SIGKILL escalation (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) defaults to the
 trainer's stop budget `SFTJOB_STOP_TIMEOUT_S` when that is set.
 """
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                     fh.write(message + "\n")
         except OSError:
             pass
+    if code != 0 and not stopped and message:
+        # torchrun's summary ends the log with "error_file: <N/A>" for every rank; the reason
+        # the first rank gave is the line a reader needs, so it comes last.
+        print(f"sftjob launch: the first failure: {message}", file=sys.stderr, flush=True)
     if stopped:
         return exits.PREEMPTED
     if code != 0 and message.partition(":")[0] in exits.PERMANENT_REASONS:
