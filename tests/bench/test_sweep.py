@@ -51,6 +51,9 @@ def test_repetitions_show_medians_and_every_repetition_must_pass():
     assert verdicts == ["2ranks: ours ÷ TRL packed 1.80× (need ≥ 1.7) per repetition 1.80×, 1.62×, 2.11× FAIL"]
     row["runs"]["trl_packed"][1] = 950.0
     assert table([row], peak)[1][0].endswith("1.79×, 2.11× PASS")
+    # Without TRL in the run (--contenders ours,ours_baseline) there is no verdict to give.
+    alone = median_row({**row, "runs": {"ours": [1.0]}, "runs_gflops": {"ours": [1.0]}})
+    assert table([alone], peak)[1] == ["2ranks: ours ÷ TRL packed – (needs both runs)"]
 
 
 def test_the_baseline_is_told_to_pack_unless_it_runs_as_its_user_got_it():
