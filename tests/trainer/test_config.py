@@ -100,3 +100,15 @@ def test_time_based_checkpoint_default_and_bounds():
     assert build_config({**MINIMAL, "trainer": {"output_dir": "o", "save_interval_s": 0}}).trainer.save_interval_s == 0
     with pytest.raises(ConfigError, match=r"trainer\.save_interval_s"):
         build_config({**MINIMAL, "trainer": {"output_dir": "o", "save_interval_s": -1}})
+
+
+def test_a_local_model_path_that_is_not_there_is_named(tmp_path):
+    """transformers reads a missing directory as a malformed hub repo id; the trainer says what it is."""
+    from sftjob_trainer.errors import InvalidConfig
+    from sftjob_trainer.modelcache import local_model_path
+
+    missing = tmp_path / "no-model"
+    with pytest.raises(InvalidConfig, match=rf"spec.model.path {missing}: no such directory in this pod"):
+        local_model_path(str(missing))
+    assert local_model_path(str(tmp_path)) == str(tmp_path)          # there: used as is
+    assert local_model_path("org/name") == "org/name"                # a hub id is not a path

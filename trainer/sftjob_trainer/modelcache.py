@@ -34,8 +34,13 @@ def local_model_path(path: str, weights: bool = True) -> str:
     """A local directory holding the model: ``path`` itself, or a per-node cache of an s3:// prefix.
 
     ``weights=False``: the cache may lack the weight files (this process never reads them).
-    Storage failures raise ``StorageDenied`` or ``StorageUnavailable`` naming ``spec.model.path``."""
+    Storage failures raise ``StorageDenied`` or ``StorageUnavailable`` naming ``spec.model.path``;
+    a filesystem path (absolute, or starting with ``.`` or ``~``) that is not a directory here
+    raises ``InvalidConfig`` (transformers would call it a malformed hub repo id)."""
     if not is_s3(path):
+        if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+            raise InvalidConfig(f"{MODEL_FIELD} {path}: no such directory in this pod; a local model must be on "
+                                "a volume the pod mounts at that path, or give an s3:// URI")
         return path
     cache = Path(os.environ.get(E.MODEL_CACHE) or "/tmp/sftjob-models")
     return _fetch(path, cache / hashlib.sha256(path.encode()).hexdigest()[:16], weights)
