@@ -35,10 +35,11 @@ def local_model_path(path: str, weights: bool = True) -> str:
 
     ``weights=False``: the cache may lack the weight files (this process never reads them).
     Storage failures raise ``StorageDenied`` or ``StorageUnavailable`` naming ``spec.model.path``;
-    a filesystem path (absolute, or starting with ``.`` or ``~``) that is not a directory here
-    raises ``InvalidConfig`` (transformers would call it a malformed hub repo id)."""
+    a filesystem path (absolute, or starting with ``.``) that is not a directory here raises
+    ``InvalidConfig`` (transformers would call it a malformed hub repo id). ``~`` is not
+    expanded: transformers does not expand it either."""
     if not is_s3(path):
-        if path.startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+        if path.startswith(("/", ".")) and not Path(path).is_dir():
             raise InvalidConfig(f"{MODEL_FIELD} {path}: no such directory in this pod; a local model must be on "
                                 "a volume the pod mounts at that path, or give an s3:// URI")
         return path
