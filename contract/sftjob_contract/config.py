@@ -82,7 +82,9 @@ class TrainerConfig(_Section):
     compile: bool = Field(
         default=False,
         description="torch.compile each decoder layer (fuses the norms, activations, rotary embedding and casts "
-        "around the matmuls; attention stays eager). The first steps pay the compile time.",
+        "around the matmuls; attention stays eager). The first steps pay the compile time. Kernels are built in "
+        "the pod: on CPUs it needs a C++ compiler (the project's CPU trainer image has none), on GPUs a C compiler "
+        "for Triton; without one the job fails at start with InvalidConfig.",
     )
     metrics_port: int = Field(
         default=0,

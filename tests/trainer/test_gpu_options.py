@@ -54,3 +54,33 @@ def test_liger_applies_its_norm_swiglu_and_rope_only_to_supported_architectures(
     # Our chunked loss head stays the loss: Liger's cross-entropies are off.
     assert calls == [dict(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                           fused_linear_cross_entropy=False)]
+
+
+def test_compile_without_a_cpp_compiler_is_refused_naming_the_field(assets, tmp_path):
+    """trainer.compile on the CPU builds inductor's C++ kernels at the first step; an image
+    without a C++ compiler (the project's CPU image has none) failed there, retryably, with
+    inductor's InvalidCxxCompiler. It is refused up front as a permanent InvalidConfig."""
+    res = run(base_args(assets, tmp_path, **{"trainer.compile": "true"}), tmp_path,
+              extra_env={"CXX": str(tmp_path / "no-such-g++")})
+    assert res.code == 2, res.why()
+    assert "InvalidConfig: trainer.compile: torch.compile on the CPU builds its kernels with a C++ compiler" \
+        in res.output, res.why()
+    assert not (tmp_path / "metrics.jsonl").exists()  # refused before any step
+
+
+@pytest.mark.parametrize("compiled,liger,field",
+                         [(True, False, "trainer.compile"), (False, True, "model.liger_kernel")])
+def test_triton_kernels_on_a_gpu_need_a_c_compiler(monkeypatch, compiled, liger, field):
+    """Triton (torch.compile's GPU backend, Liger's kernels) builds its launcher with $CC, else
+    gcc or clang; without one the first step failed. The GPU check runs without a GPU."""
+    import shutil
+
+    from sftjob_trainer.model import check_compilers
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    with pytest.raises(InvalidConfig, match=rf"{field}: Triton builds .* with a C compiler"):
+        check_compilers(compiled, liger, torch.device("cuda", 0))
+    check_compilers(False, False, torch.device("cuda", 0))  # neither option: nothing to build
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}" if name == "gcc" else None)
+    check_compilers(compiled, liger, torch.device("cuda", 0))

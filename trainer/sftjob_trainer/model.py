@@ -31,6 +31,8 @@ import functools
 import importlib
 import importlib.util
 import logging
+import os
+import shutil
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -71,9 +73,10 @@ def widen_bf16_gemms(model: nn.Module) -> None:
 LIGER_FIELD, OFFLOAD_FIELD = "model.liger_kernel", "trainer.cpu_offload"
 
 
-def check_device_options(liger: bool, offload: bool, device: torch.device) -> None:
+def check_device_options(liger: bool, offload: bool, device: torch.device, compiled: bool = False) -> None:
     """Refuse, before anything is loaded, what only a GPU run can do (the API server refuses
-    both for CPU jobs too; this catches a trainer started by hand)."""
+    both for CPU jobs too; this catches a trainer started by hand), and kernels this image
+    cannot build (check_compilers)."""
     if offload and device.type != "cuda":
         raise InvalidConfig(f"{OFFLOAD_FIELD}: CPU offload moves GPU-resident states to host memory; on a CPU "
                             f"run ({device.type}) everything is in host memory already. Set it to false")
@@ -83,6 +86,32 @@ def check_device_options(liger: bool, offload: bool, device: torch.device) -> No
     if liger and importlib.util.find_spec("liger_kernel") is None:
         raise InvalidConfig(f"{LIGER_FIELD}: the liger-kernel package is not installed in this image "
                             f"(pip install liger-kernel==0.8.5), or set it to false")
+    check_compilers(compiled, liger, device)
+
+
+COMPILE_FIELD = "trainer.compile"
+
+
+def _compiler(env: str, names: tuple[str, ...]) -> str | None:
+    """The compiler a run-time kernel build would use: ``$env`` if set, else the first of
+    ``names`` on PATH (inductor's C++ search: $CXX else g++; Triton's: $CC else gcc, clang)."""
+    if chosen := os.environ.get(env):
+        return shutil.which(chosen)
+    return next((found for name in names if (found := shutil.which(name))), None)
+
+
+def check_compilers(compiled: bool, liger: bool, device: torch.device) -> None:
+    """trainer.compile and Liger build kernels at the first step; refuse, before anything is
+    loaded, an image that lacks the compiler they need. That failure used to come at the first
+    step as a plain (retryable) error, so every gang restart loaded the model to fail again."""
+    if compiled and device.type == "cpu" and _compiler("CXX", ("g++",)) is None:
+        raise InvalidConfig(f"{COMPILE_FIELD}: torch.compile on the CPU builds its kernels with a C++ compiler, "
+                            f"and this image has none ($CXX, else g++ on PATH; the project's CPU trainer image "
+                            f"has none). Use an image with g++ and the Python headers, or set it to false")
+    if (compiled or liger) and device.type == "cuda" and _compiler("CC", ("gcc", "clang")) is None:
+        raise InvalidConfig(f"{COMPILE_FIELD if compiled else LIGER_FIELD}: Triton builds its kernels' launcher "
+                            f"with a C compiler, and this image has none ($CC, else gcc or clang on PATH). Use an "
+                            f"image with gcc and the Python headers, or set it to false")
 
 
 def apply_liger(model: nn.Module) -> None:

@@ -69,7 +69,7 @@ class Trainer:
     def __init__(self, cfg: SFTConfig, world: World, stop: StopFlag):
         from transformers import AutoTokenizer
 
-        check_device_options(cfg.model.liger_kernel, cfg.trainer.cpu_offload, world.device)
+        check_device_options(cfg.model.liger_kernel, cfg.trainer.cpu_offload, world.device, cfg.trainer.compile)
         world = ulysses.setup(world, cfg.trainer.sequence_parallel_size)  # the dp x sp grid (ulysses.py)
         self.cfg, self.world, self.stop = cfg, world, stop
         self.outputs = Outputs.open(cfg.trainer.output_dir, world.rank, world.size, cfg.trainer.keep_checkpoints,
