@@ -8,6 +8,10 @@ CPU time plus a coarse breakdown (matmuls, attention, loss head, optimizer, the 
 
 Usage: python -m bench.profile_step [--precision fp32|bf16] [--cpu-bf16-gemm auto|native|widened]
                                     [--steps 2] [--work .bench] [--point NAME [--no-packing]]
+                                    [--compile none|layers|mlp-norms] [--timed N]
+
+It ends with the GEMMs' own rate and the bound they set: the tokens/s of a step in which
+every other operator took no time.
 
 ``--point`` profiles one of bench.sweep's shapes (one process) on the data and model the sweep
 made under WORK/sweep (run the sweep, or at least that point, first).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +43,11 @@ def main() -> None:
     ap.add_argument("--point", default=None, help="a bench.sweep shape (its data under WORK/sweep)")
     ap.add_argument("--no-packing", action="store_true", help="padded micro-batches instead of packed rows")
     ap.add_argument("--budget", type=int, default=None, help="data.max_tokens_per_micro_batch (default: unset)")
+    ap.add_argument("--compile", default="none", choices=["none", "layers", "mlp-norms"],
+                    help="layers: trainer.compile (torch.compile per decoder layer); mlp-norms: only each layer's "
+                    "MLP and norms, the pieces with no graph break (an experiment, not a trainer option)")
+    ap.add_argument("--timed", type=int, default=0,
+                    help="also time this many steps without the profiler and print tokens/s (default 0: no)")
     args = ap.parse_args()
 
     import torch
@@ -70,9 +80,11 @@ def main() -> None:
     batches = GlobalBatches(SFTDataset([data], SampleBuilder(tok, cfg), "bench"), cfg, 0, 0, 1, tok.pad_token_id)
     widen = use_widened_bf16(world.device, args.precision, args.cpu_bf16_gemm)
     model = build_model(ModelConfig(path=model_dir), LoraConfig(), model_dir, world, widen_bf16=widen)
+    if args.compile != "none":
+        compile_parts(model, args.compile)
     opt = build_optimizer(model.parameters(), OptimConfig(lr=1e-4, betas=(0.9, 0.999)), fused=True)
 
-    def step(k: int) -> None:
+    def step(k: int) -> int:
         with record_function("data"):
             mbs = batches.step_batches(0, gb * k)
         n = sum(mb.n_targets for mb in mbs)
@@ -85,12 +97,18 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+        return sum(mb.n_tokens for mb in mbs)
 
     model.train()
     step(0)
+    if args.compile != "none":
+        step(0)  # the second shape (dynamic=True) compiles too
+    if args.timed:
+        t0, tokens = time.perf_counter(), sum(step(k) for k in range(1, args.timed + 1))
+        print(f"timed without the profiler ({args.compile=}): {args.timed} steps, "
+              f"{tokens / (time.perf_counter() - t0):.0f} tokens/s")
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
-        for k in range(1, args.steps + 1):
-            step(k)
+        profiled_tokens = sum(step(k) for k in range(1, args.steps + 1))
     events = prof.key_averages()
     if args.rows:
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
@@ -114,6 +132,21 @@ def main() -> None:
     flops, secs = sum(e.flops for e in gemm), sum(e.self_cpu_time_total for e in gemm) / 1e6
     micro = next((e.count for e in events if e.key == "forward+loss"), 0)
     print(f"GEMMs: {flops / secs / 1e9:.0f} GFLOP/s over {secs:.2f}s; {micro} micro-batches in {args.steps} steps")
+    # The bound: if every operator but the GEMMs took no time, the step would be the GEMMs'.
+    print(f"tokens/s: {profiled_tokens / (total / 1e6):.0f} profiled; GEMMs alone would allow "
+          f"{profiled_tokens / secs:.0f} (every other operator, Python and wait at zero)")
+
+
+def compile_parts(model, parts: str) -> None:
+    import torch
+
+    from sftjob_trainer.model import compile_layers
+    if parts == "layers":
+        compile_layers(model)
+        return
+    for layer in model.model.layers:
+        for part in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            part.forward = torch.compile(part.forward, dynamic=True)
 
 
 if __name__ == "__main__":

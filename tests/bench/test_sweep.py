@@ -25,16 +25,17 @@ def test_verdicts_hold_every_point_to_the_trl_ratio_and_the_bench_point_to_the_m
     peak = {"peak_gflops_fp32": 100.0, "threads": 2}
     rows = [{"point": "bench", "shape": {"max_len": 512, "global_batch": 16, "micro_batch": 4, "nproc": 1},
              "steps": 10, "tokens_per_s": {"ours": 1800.0, "trl_packed": 1000.0, "ours_baseline": 900.0},
-             "gflops": {"ours": 86.0}},
+             "gflops": {"ours": 86.0, "trl_packed": 47.0}},
             {"point": "L128", "shape": {"max_len": 128, "global_batch": 16, "micro_batch": 4, "nproc": 1},
              "steps": 40, "tokens_per_s": {"ours": 1500.0, "trl_packed": 1000.0}, "gflops": {"ours": 50.0}}]
     text, verdicts = table(rows, peak)
-    assert "| bench | 512 | 16 | 4 | 1 | 10 | 1800 | 900 | 1000 | – | 86.0% | 1.80× | 0.90× | 2.00× | – |" in text
+    assert ("| bench | 512 | 16 | 4 | 1 | 10 | 1800 | 900 | 1000 | – | 86.0% | 47.0% | 79.9% | 1.80× | 0.90× | 2.00× "
+            "| – |") in text
     # A contender without a run has no ratio.
-    assert "| L128 | 128 | 16 | 4 | 1 | 40 | 1500 | – | 1000 | – | 50.0% | 1.50× | – | – | – |" in text
-    assert verdicts == ["bench: ours ÷ TRL packed 1.80× (need ≥ 1.7) PASS",
+    assert "| L128 | 128 | 16 | 4 | 1 | 40 | 1500 | – | 1000 | – | 50.0% | – | – | 1.50× | – | – | – |" in text
+    assert verdicts == ["bench: ours ÷ TRL packed 1.80× (need ≥ 1.7: 79.9% MFU) PASS",
                         "bench: MFU 86.0% of the fp32 peak (need ≥ 85%) PASS",
-                        "L128: ours ÷ TRL packed 1.50× (need ≥ 1.7) FAIL"]
+                        "L128: ours ÷ TRL packed 1.50× (need ≥ 1.7: – MFU) FAIL"]
 
 
 def test_repetitions_show_medians_and_every_repetition_must_pass():
@@ -47,8 +48,9 @@ def test_repetitions_show_medians_and_every_repetition_must_pass():
                       "runs_gflops": {"ours": [60.0, 50.0, 70.0], "trl_packed": [1.0, 1.0, 1.0]}})
     assert row["tokens_per_s"] == {"ours": 1800.0, "trl_packed": 1000.0} and row["gflops"]["ours"] == 60.0
     text, verdicts = table([row], peak)
-    assert "| 2ranks | 512 | 16 | 4 | 2 | 10 | 1800 | – | 1000 | – | 60.0% | 1.80× |" in text
-    assert verdicts == ["2ranks: ours ÷ TRL packed 1.80× (need ≥ 1.7) per repetition 1.80×, 1.62×, 2.11× FAIL"]
+    assert "| 2ranks | 512 | 16 | 4 | 2 | 10 | 1800 | – | 1000 | – | 60.0% | 1.0% | 1.7% | 1.80× |" in text
+    assert verdicts == ["2ranks: ours ÷ TRL packed 1.80× (need ≥ 1.7: 1.7% MFU) "
+                        "per repetition 1.80×, 1.62×, 2.11× FAIL"]
     row["runs"]["trl_packed"][1] = 950.0
     assert table([row], peak)[1][0].endswith("1.79×, 2.11× PASS")
     # Without TRL in the run (--contenders ours,ours_baseline) there is no verdict to give.
