@@ -102,7 +102,7 @@ def main() -> None:
     model.train()
     step(0)
     if args.compile != "none":
-        step(0)  # the second shape (dynamic=True) compiles too
+        step(0)  # a second warm-up step, so no compile time is left in what is timed
     if args.timed:
         t0, tokens = time.perf_counter(), sum(step(k) for k in range(1, args.timed + 1))
         print(f"timed without the profiler ({args.compile=}): {args.timed} steps, "
