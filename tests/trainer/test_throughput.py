@@ -45,6 +45,41 @@ def test_chunked_linear_ce_matches_full_logits(monkeypatch):
         assert torch.allclose(loss.linear_ce_sum(hidden, weight, targets), want, rtol=1e-6)
 
 
+@pytest.mark.unit
+def test_loss_head_gradients_are_written_once_and_handed_on():
+    """The head's weight gradient is the first chunk's product, scaled in place in backward:
+    no zero-filled or scaled copy of a vocab x hidden tensor per micro-batch; two micro-batches
+    still accumulate; a second backward through one graph is refused, not scaled twice."""
+    import sftjob_trainer.loss as loss
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 24, generator=g, requires_grad=True)
+    weight = torch.randn(500, 24, generator=g, requires_grad=True)
+    targets = torch.randint(0, 500, (40,), generator=g)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        (loss.linear_ce_sum(hidden, weight, targets) * 0.25).backward()
+    copies = ("aten::zero_", "aten::fill_", "aten::mul", "aten::clone", "aten::copy_")
+    whole = [e.name for e in prof.events()
+             if e.name in copies and e.input_shapes and list(e.input_shapes[0]) == [500, 24]]
+    assert whole == [], whole
+    first = weight.grad.clone()
+    (loss.linear_ce_sum(hidden, weight, targets) * 0.25).backward()
+    assert torch.allclose(weight.grad, 2 * first)
+    want = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets, reduction="sum") * 0.25, weight)[0]
+    assert torch.allclose(first, want, atol=1e-5)
+
+    ce = loss.linear_ce_sum(hidden, weight, targets)
+    ce.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        ce.backward()
+
+    weight.grad = None
+    nothing = torch.full((40,), IGNORE)
+    loss.linear_ce_sum(hidden, weight, nothing).backward()
+    assert weight.grad.shape == weight.shape and not weight.grad.any()
+
+
 def _model(assets, attn: str):
     from sftjob_trainer.dist import World
     from sftjob_trainer.model import build_model

@@ -52,7 +52,9 @@ def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool, widen: 
     n, vocab = hidden.shape[0], weight.shape[0]
     w = weight.to(dtype).float() if widen else weight.to(dtype)
     grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
-    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    # The head's gradient is written by the first chunk's product and added to by the next:
+    # no zero-filled vocab x hidden buffer per micro-batch.
+    grad_w = None
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     step = chunk_rows(vocab)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
@@ -72,11 +74,14 @@ def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool, widen: 
                 grad_h[a : a + step] = gemm(g, w)
             elif grad_h is not None:
                 torch.mm(g, w, out=grad_h[a : a + step])
-            if grad_w is not None:
-                if dtype == torch.float32:
-                    grad_w.addmm_(g.t(), h)
-                else:
-                    grad_w += mm(g.t(), h).float()
+            if need_w and grad_w is None:
+                grad_w = mm(g.t(), h).float()
+            elif need_w and dtype == torch.float32:
+                grad_w.addmm_(g.t(), h)
+            elif need_w:
+                grad_w += mm(g.t(), h).float()
+    if need_w and grad_w is None:  # no rows with a target
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return total, grad_h, grad_w
 
 
@@ -87,15 +92,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, dtype, widen):
         need_h, need_w = ctx.needs_input_grad[:2]
         total, grad_h, grad_w = _chunked(hidden, weight, targets, dtype, need_h, need_w, widen)
-        ctx.save_for_backward(grad_h, grad_w)
+        # Kept on ctx, not saved for backward: they are this function's own buffers, which
+        # backward scales in place and hands on (autograd then keeps the first micro-batch's
+        # as .grad instead of copying it), so no second vocab x hidden tensor per micro-batch.
+        ctx.grads = grad_h, grad_w
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = None if grad_h is None else (grad_h * grad_out).to(ctx.dtypes[0])
-        gw = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[1])
+        if ctx.grads is None:
+            raise RuntimeError("the loss head's backward ran twice (retain_graph): its gradients were formed in "
+                               "forward and have already been handed on")
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
+        gh = None if grad_h is None else grad_h.mul_(grad_out).to(ctx.dtypes[0])
+        gw = None if grad_w is None else grad_w.mul_(grad_out).to(ctx.dtypes[1])
         return gh, gw, None, None, None
 
 
