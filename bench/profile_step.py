@@ -56,7 +56,7 @@ def main() -> None:
 
     from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
     from sftjob_trainer.data import SampleBuilder, SFTDataset
-    from sftjob_trainer.batching import GlobalBatches
+    from sftjob_trainer.batching import GlobalBatches, min_micro_batch_tokens
     from sftjob_trainer.dist import World
     from sftjob_trainer.loss import ce_sum
     from sftjob_trainer.model import build_model
@@ -77,7 +77,8 @@ def main() -> None:
                      micro_batch_size_per_gpu=shape.micro_batch, packing=not args.no_packing, shuffle=False,
                      max_tokens_per_micro_batch=args.budget)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    batches = GlobalBatches(SFTDataset([data], SampleBuilder(tok, cfg), "bench"), cfg, 0, 0, 1, tok.pad_token_id)
+    batches = GlobalBatches(SFTDataset([data], SampleBuilder(tok, cfg), "bench"), cfg, 0, 0, 1, tok.pad_token_id,
+                            min_tokens=min_micro_batch_tokens(model_dir, world.device))  # as the trainer does
     widen = use_widened_bf16(world.device, args.precision, args.cpu_bf16_gemm)
     model = build_model(ModelConfig(path=model_dir), LoraConfig(), model_dir, world, widen_bf16=widen)
     if args.compile != "none":

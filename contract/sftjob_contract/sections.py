@@ -181,7 +181,8 @@ class DataConfig(_Section):
         description="The size of a forward/backward pass on each rank, in sequences; the per-rank batch "
         "(train_batch_size / world size) must be a multiple of it. With packing and no "
         "max_tokens_per_micro_batch, a micro-batch holds as many whole sequences as fit in this many "
-        "max_length sequences' tokens (the memory of that many full-length samples); without packing, "
+        "max_length sequences' tokens (the memory of that many full-length samples; on a CPU at least "
+        "the floor that max_tokens_per_micro_batch states); without packing, "
         "exactly this many sequences, padded to the longest.",
     )
     packing: bool = Field(
@@ -204,7 +205,9 @@ class DataConfig(_Section):
         "length stays within this budget (a longer sample forms a micro-batch alone); every rank "
         "runs as many micro-batches as the rank that needs the most. micro_batch_size_per_gpu is "
         "then not used for training. Unset: micro_batch_size_per_gpu x max_length tokens with "
-        "packing, micro_batch_size_per_gpu sequences without.",
+        "packing (on a CPU at least 786432 / the model's hidden size tokens, e.g. 2048 for a "
+        "384-wide model: a CPU pays a fixed cost per micro-batch and runs a narrow model's small "
+        "matmuls slowly), micro_batch_size_per_gpu sequences without.",
     )
 
     _as_list_train = field_validator("train_files", "val_files", mode="before")(_as_list)
@@ -239,14 +242,15 @@ class DataConfig(_Section):
         """Each source's name: its own, or its index."""
         return [s.name if s.name is not None else str(i) for i, s in enumerate(self.sources or [])]
 
-    def token_budget(self) -> int | None:
+    def token_budget(self, floor: int = 0) -> int | None:
         """Tokens per training micro-batch (None: micro_batch_size_per_gpu sequences each). With
         packing and no explicit budget, the tokens of micro_batch_size_per_gpu full-length samples:
         the memory a micro-batch of that many sequences may already take, filled with whole
-        sequences instead of padding, so short data runs fewer, larger (faster) passes."""
+        sequences instead of padding, so short data runs fewer, larger (faster) passes; or
+        ``floor`` tokens if that is more (the trainer's floor on a CPU, see its batching.py)."""
         if self.max_tokens_per_micro_batch is not None:
             return self.max_tokens_per_micro_batch
-        return self.micro_batch_size_per_gpu * self.max_length if self.packing else None
+        return max(self.micro_batch_size_per_gpu * self.max_length, floor) if self.packing else None
 
     @model_validator(mode="after")
     def _micro_divides_global(self) -> DataConfig:

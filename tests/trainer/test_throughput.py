@@ -224,6 +224,35 @@ def test_by_default_micro_batches_are_packed_by_the_memory_of_micro_full_length_
     assert [i for mb in mbs for i in mb.sample_ids] == [i for mb in rows for i in mb.sample_ids]
 
 
+@pytest.mark.unit
+def test_on_a_cpu_the_default_budget_has_a_floor_set_by_the_model_width(assets, tok, tmp_path):
+    """Issue 30: a CPU micro-batch has a fixed cost and a narrow model's matmuls are small, so
+    without data.max_tokens_per_micro_batch the trainer packs at least 786432 / hidden_size
+    tokens there (none on GPUs); the samples and their order stay the same."""
+    from sftjob_trainer.batching import CPU_MIN_ACTIVATION, min_micro_batch_tokens
+
+    hidden = json.loads((assets / "model" / "config.json").read_text())["hidden_size"]
+    floor = min_micro_batch_tokens(str(assets / "model"), torch.device("cpu"))
+    assert floor == -(-CPU_MIN_ACTIVATION // hidden) and floor > 128
+    assert min_micro_batch_tokens(str(assets / "model"), torch.device("cuda")) == 0
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 768}}))
+    assert min_micro_batch_tokens(str(tmp_path), torch.device("cpu")) == 1024
+    assert min_micro_batch_tokens(str(tmp_path / "missing"), torch.device("cpu")) == 0
+
+    f = str(assets / "data" / "train.parquet")
+    shape = dict(train_files=[f], max_length=64, train_batch_size=16, micro_batch_size_per_gpu=2)
+    default = DataConfig(**shape)
+    assert default.token_budget(floor) == floor and default.token_budget(10) == 128
+    assert DataConfig(**shape, max_tokens_per_micro_batch=90).token_budget(floor) == 90
+    assert DataConfig(**shape, packing=False).token_budget(floor) is None
+    ds = SFTDataset([f], SampleBuilder(tok, default), "train")
+    plain = GlobalBatches(ds, default, 3, 0, 1, 0).step_batches(0, 0)
+    floored = GlobalBatches(ds, default, 3, 0, 1, 0, min_tokens=floor).step_batches(0, 0)
+    assert len(floored) < len(plain) and max(mb.n_tokens for mb in floored) > 128
+    assert all(mb.n_tokens <= floor for mb in floored)
+    assert [i for mb in floored for i in mb.sample_ids] == [i for mb in plain for i in mb.sample_ids]
+
+
 @pytest.mark.distributed
 def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_path):
     """Real trainer runs: same samples per step, so packed/token-budget losses equal the padded ones."""
@@ -242,6 +271,8 @@ def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_pa
         steps = res.steps()
         losses[name] = [r["loss"] for r in steps]
         assert all(0 < r["mfu"] < 1 and r["time"] > 0 for r in steps)
+        # The CPU floor under the default budget (packed only; an explicit budget is the user's).
+        assert ("on a CPU the trainer packs at least" in res.output) == (name == "packed"), name
     assert len(losses["padded"]) == 4
     for name in ("packed", "budget"):
         assert max(abs(a - b) for a, b in zip(losses["padded"], losses[name])) < 1e-4, (name, losses)

@@ -12,9 +12,11 @@ without one each rank takes a contiguous slice.
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -28,6 +30,28 @@ from .errors import InvalidData
 
 SP_FIELD = "trainer.sequence_parallel_size"
 log = logging.getLogger(__name__)
+
+# On a CPU a micro-batch costs about 40 ms beyond its tokens (every weight gradient written
+# and added in full), and a narrow model's per-token matmuls are too small to run near the
+# peak: 2048 tokens of the bench's 384-wide model ran 1.05-1.18x (length 128) and 1.08-1.14x
+# (micro-batch 1) the tokens/s of 512 (bench/README.md, issue 30). So without an explicit
+# budget the trainer packs at least this many [tokens, hidden] activation elements into a CPU
+# micro-batch: the floor shrinks as the model widens, where the matmuls are big already.
+CPU_MIN_ACTIVATION = 2048 * 384
+
+
+def min_micro_batch_tokens(model_path: str, device: torch.device) -> int:
+    """The floor under the default token budget (`DataConfig.token_budget`): on a CPU
+    ``CPU_MIN_ACTIVATION / hidden_size`` tokens; on GPUs none (their memory is the user's to size)."""
+    if device.type != "cpu":
+        return 0
+    try:  # config.json as written (no remote code run); a model that cannot load fails in build_model
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    config = (config.get("text_config") or config) if isinstance(config, dict) else {}
+    hidden = config.get("hidden_size") if isinstance(config, dict) else None
+    return -(-CPU_MIN_ACTIVATION // hidden) if isinstance(hidden, int) and hidden > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -80,9 +104,10 @@ class GlobalBatches:
     """The global-cursor schedule: which samples each rank trains on at each step."""
 
     def __init__(self, dataset: SFTDataset | MixedDataset, cfg: DataConfig, seed: int, rank: int, world: int,
-                 pad_id: int, shard: Callable[[MicroBatch], MicroBatch] | None = None):
+                 pad_id: int, shard: Callable[[MicroBatch], MicroBatch] | None = None, min_tokens: int = 0):
         """``rank``/``world``: the data-parallel ones (with sequence parallelism the ranks of an SP
-        group share one); ``shard`` cuts this rank's slice out of each micro-batch (ulysses.py)."""
+        group share one); ``shard`` cuts this rank's slice out of each micro-batch (ulysses.py);
+        ``min_tokens``: the floor under the default token budget (`min_micro_batch_tokens`)."""
         # With sequence parallelism the batch is split over the SP groups, not the processes.
         what = "processes" if shard is None else f"data-parallel ranks (processes / {SP_FIELD})"
         self.per_rank = cfg.train_batch_size // world
@@ -96,6 +121,11 @@ class GlobalBatches:
             )
         self.dataset, self.cfg, self.seed, self.rank, self.world, self.pad_id = dataset, cfg, seed, rank, world, pad_id
         self.shard = shard
+        self.budget = cfg.token_budget(min_tokens)
+        if cfg.packing and cfg.max_tokens_per_micro_batch is None and self.budget == min_tokens > 0:
+            log.info("micro-batches of up to %d tokens: on a CPU the trainer packs at least that many "
+                     "(data.micro_batch_size_per_gpu x data.max_length = %d; set data.max_tokens_per_micro_batch "
+                     "to choose)", self.budget, cfg.micro_batch_size_per_gpu * cfg.max_length)
         self.global_batch = cfg.train_batch_size
         self.steps_per_epoch = dataset.epoch_size // self.global_batch
         if self.steps_per_epoch == 0:
@@ -122,7 +152,7 @@ class GlobalBatches:
     def step_batches(self, epoch: int, cursor: int) -> list[MicroBatch]:
         """The micro-batches of this rank for the global batch starting at ``cursor``."""
         ids = self._batch(epoch, cursor)
-        budget = self.cfg.token_budget()
+        budget = self.budget
         if budget is None:
             m = self.cfg.micro_batch_size_per_gpu
             mine = ids[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]

@@ -16,7 +16,7 @@ from . import checkpoint as ckpt
 from . import dist as dist_utils
 from . import early_stop, mixing, tracking
 from .data import SampleBuilder, SFTDataset
-from .batching import GlobalBatches, eval_batches, logged_ids
+from .batching import GlobalBatches, eval_batches, logged_ids, min_micro_batch_tokens
 from .dist import World
 from .errors import CheckpointFailed, InvalidConfig, NonFiniteLoss, TrainerError
 from .export import export
@@ -92,7 +92,7 @@ class Trainer:
                        if cfg.data.val_files else None)
         self.shard = ulysses.sharder(world, pad_id)
         self.batches = GlobalBatches(self.train_ds, cfg.data, cfg.trainer.seed, world.dp_rank, world.dp_size, pad_id,
-                                     self.shard)
+                                     self.shard, min_tokens=min_micro_batch_tokens(model_path, world.device))
         self.pad_id = pad_id
         self.total_steps = cfg.trainer.total_training_steps or self.batches.steps_per_epoch * cfg.trainer.total_epochs
         torch.manual_seed(cfg.trainer.seed)
