@@ -237,6 +237,8 @@ def test_on_a_cpu_the_default_budget_has_a_floor_set_by_the_model_width(assets, 
     assert min_micro_batch_tokens(str(assets / "model"), torch.device("cuda")) == 0
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 768}}))
     assert min_micro_batch_tokens(str(tmp_path), torch.device("cpu")) == 1024
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 1536}))
+    assert min_micro_batch_tokens(str(tmp_path), torch.device("cpu")) == 512
     assert min_micro_batch_tokens(str(tmp_path / "missing"), torch.device("cpu")) == 0
 
     f = str(assets / "data" / "train.parquet")

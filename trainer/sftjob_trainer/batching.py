@@ -50,7 +50,9 @@ def min_micro_batch_tokens(model_path: str, device: torch.device) -> int:
     except (OSError, ValueError):
         return 0
     config = (config.get("text_config") or config) if isinstance(config, dict) else {}
-    hidden = config.get("hidden_size") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return 0
+    hidden = next((config[k] for k in ("hidden_size", "n_embd", "d_model") if k in config), None)  # GPT-2: n_embd
     return -(-CPU_MIN_ACTIVATION // hidden) if isinstance(hidden, int) and hidden > 0 else 0
 
 

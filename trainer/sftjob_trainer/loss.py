@@ -74,11 +74,13 @@ def _chunked(hidden, weight, targets, dtype, need_h: bool, need_w: bool, widen: 
                 grad_h[a : a + step] = gemm(g, w)
             elif grad_h is not None:
                 torch.mm(g, w, out=grad_h[a : a + step])
-            if need_w and grad_w is None:
+            if not need_w:
+                continue
+            if grad_w is None:
                 grad_w = mm(g.t(), h).float()
-            elif need_w and dtype == torch.float32:
+            elif dtype == torch.float32:
                 grad_w.addmm_(g.t(), h)
-            elif need_w:
+            else:
                 grad_w += mm(g.t(), h).float()
     if need_w and grad_w is None:  # no rows with a target
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
