@@ -5,6 +5,8 @@
 #   containerd runc containernetworking-plugins   the nodes' container runtime and pod network
 #   iptables conntrack                            kube-proxy's Service routing
 #   buildah mmdebstrap                            docker-less image builds from Debian packages
+#   libtcmalloc-minimal4                          the trainer's allocator when it runs here (the
+#                                                 tests, make bench), as in its image
 set -euo pipefail
 
 declare -A need=(
@@ -16,6 +18,7 @@ for cmd in "${!need[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${need[$cmd]}")
 done
 [[ -x /usr/lib/cni/bridge ]] || missing+=(containernetworking-plugins)
+/sbin/ldconfig -p | grep libtcmalloc_minimal.so.4 >/dev/null || missing+=(libtcmalloc-minimal4)
 [[ ${#missing[@]} -eq 0 ]] && exit 0
 mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
 if [[ $(id -u) -ne 0 ]]; then

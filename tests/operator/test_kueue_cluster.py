@@ -313,6 +313,10 @@ def test_higher_priority_preempts_lower_which_resumes_to_the_same_weights(
     # Resumed from the checkpoint committed on Kueue's SIGTERM: no step trained twice.
     tap.stop()
     log = tap.path("low-node-0", "trainer").read_text(errors="replace")
+    # The trainer image carries tcmalloc: the launcher preloads it and the trainer runs on it.
+    said = [line for line in log.splitlines() if "memory allocator: tcmalloc" in line]
+    assert any("sftjob launch:" in line for line in said), said           # the launcher preloaded it
+    assert any("sftjob launch:" not in line for line in said), said       # the trainer has it mapped
     saved, resumed, first_step_at = _resume(log)
     assert resumed == saved, (saved, resumed)
     after = [s["low"].get("progress", {}).get("step") for _, _, s in rec.samples

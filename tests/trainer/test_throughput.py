@@ -257,7 +257,8 @@ def test_on_a_cpu_the_default_budget_has_a_floor_set_by_the_model_width(assets, 
 
 @pytest.mark.distributed
 def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_path):
-    """Real trainer runs: same samples per step, so packed/token-budget losses equal the padded ones."""
+    """Real trainer runs: same samples per step, so packed/token-budget losses equal the padded ones
+    (and the allocator, tcmalloc or the C library's, changes none of them)."""
     over = {"trainer.total_training_steps": 4, "data.micro_batch_size_per_gpu": 4, "data.shuffle": "false",
             "trainer.peak_tflops": 1.0}
     variants = {
@@ -268,13 +269,17 @@ def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_pa
     losses = {}
     for name, extra in variants.items():
         out = tmp_path / name
-        res = runner.run(runner.base_args(assets, out, **over, **extra), out)
+        # The padded run keeps the C library's malloc (an empty LD_PRELOAD is the user's choice);
+        # the others run on the tcmalloc the launcher preloads: the allocator changes no loss.
+        glibc = {"LD_PRELOAD": ""} if name == "padded" else None
+        res = runner.run(runner.base_args(assets, out, **over, **extra), out, extra_env=glibc)
         assert res.code == 0, res.why()
         steps = res.steps()
         losses[name] = [r["loss"] for r in steps]
         assert all(0 < r["mfu"] < 1 and r["time"] > 0 for r in steps)
         # The CPU floor under the default budget (packed only; an explicit budget is the user's).
         assert ("on a CPU the trainer packs at least" in res.output) == (name == "packed"), name
+        assert ("memory allocator: tcmalloc" in res.output) == (name != "padded"), res.why()
     assert len(losses["padded"]) == 4
     for name in ("packed", "budget"):
         assert max(abs(a - b) for a, b in zip(losses["padded"], losses[name])) < 1e-4, (name, losses)

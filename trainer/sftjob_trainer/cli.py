@@ -15,6 +15,7 @@ from sftjob_contract import env as E
 from sftjob_contract import exits
 from sftjob_contract.metrics import LINGER_S
 
+from .allocator import in_use, reexec_with_allocator
 from .errors import InvalidConfig, TrainerError
 
 log = logging.getLogger("sftjob_trainer")
@@ -82,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging()
+    if os.environ.get(E.RANK, "0") == "0":
+        log.info(in_use())
     # Imported late so `--help` and config errors answer without loading torch.
     from sftjob_contract.config import ConfigError, load_config
 
@@ -148,7 +151,10 @@ def entrypoint() -> None:
     written and closed before ``main`` returns. What teardown would add is only risk: native
     thread pools (Arrow, gloo) destroyed during finalization can abort a process whose work
     succeeded, turning a finished job into a failed rank. ``os._exit`` skips that.
+    A trainer the launcher did not start first re-executes itself on tcmalloc
+    (``allocator.reexec_with_allocator``).
     """
+    reexec_with_allocator()
     code = main()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

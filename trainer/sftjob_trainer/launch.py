@@ -11,6 +11,8 @@ itself exits 1 for every failure, also when the platform stopped it with SIGTERM
   first rank's one-line reason is the log's last line.
 torchrun's SIGTERM→SIGKILL escalation (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) defaults to the
 trainer's stop budget `SFTJOB_STOP_TIMEOUT_S` when that is set.
+torchrun and the trainer processes run on tcmalloc when the image has it (the CPU image does)
+and `LD_PRELOAD` is not already set (`sftjob_trainer.allocator`).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ import time
 
 from sftjob_contract import command, exits
 from sftjob_contract import env as E
+
+from .allocator import allocator_env
 
 
 def master_addr(torchrun_args: list[str]) -> str | None:
@@ -73,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     os.close(fd)
     env[E.TERMINATION_LOG] = worker_log
 
+    env, allocator = allocator_env(env)
+    print(f"sftjob launch: {allocator}", file=sys.stderr, flush=True)
     master = master_addr(torchrun_args)
     if master and not wait_resolvable(master, float(env.get(E.RENDEZVOUS_TIMEOUT_S, "300"))):
         print(f"sftjob launch: {master} still does not resolve; starting torchrun anyway", file=sys.stderr)

@@ -6,7 +6,8 @@ trainer images under the names the chart and the SFTJob CRD default to
 image. Nothing can be pulled here, so every image is made from local inputs:
 
 - base (localhost/sftjob/base:bookworm): mmdebstrap of Debian bookworm from the machine's apt
-  sources with python3, python3-venv and ca-certificates, committed into buildah's storage;
+  sources with python3, python3-venv, ca-certificates and libtcmalloc-minimal4 (the trainer's
+  allocator), committed into buildah's storage;
 - pause (localhost/sftjob/pause:3.10): images/pause/pause.c built with `gcc -static`, alone in
   an image FROM scratch (containerd's CRI `sandbox_image`);
 - operator, trainer: `buildah bud --isolation chroot --layers` of images/<name>/Dockerfile on

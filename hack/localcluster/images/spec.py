@@ -18,7 +18,8 @@ RECIPE = "1"
 BASE_REF = "localhost/sftjob/base:bookworm"
 PAUSE_REF = "localhost/sftjob/pause:3.10"
 SUITE = "bookworm"
-BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
+# libtcmalloc-minimal4: the trainer's allocator (sftjob_trainer.launch preloads it; issue 30).
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libtcmalloc-minimal4")
 # minbase: Essential and Priority: required, plus apt. The merged-usr hook lays out /usr
 # itself instead of installing usrmerge (which would pull in perl). Documentation, manual
 # pages, locales and apt's lists stay out; /dev is the runtime's business.
