@@ -8,10 +8,14 @@ CPU time plus a coarse breakdown (matmuls, attention, loss head, optimizer, the 
 
 Usage: python -m bench.profile_step [--precision fp32|bf16] [--cpu-bf16-gemm auto|native|widened]
                                     [--steps 2] [--work .bench] [--point NAME [--no-packing]]
-                                    [--compile none|layers|mlp-norms] [--timed N]
+                                    [--compile none|layers|mlp-norms] [--timed N] [--by-shape N]
 
 It ends with the GEMMs' own rate and the bound they set: the tokens/s of a step in which
 every other operator took no time.
+
+``--by-shape N`` adds the top N rows by operator *and input shape* (sizes that are token counts
+printed as T), with each product's GFLOP/s. Like the trainer, it runs on tcmalloc when the
+machine has it (`sftjob_trainer.allocator`; an LD_PRELOAD already set, even empty, wins).
 
 ``--point`` profiles one of bench.sweep's shapes (one process) on the data and model the sweep
 made under WORK/sweep (run the sweep, or at least that point, first).
@@ -48,8 +52,13 @@ def main() -> None:
                     "MLP and norms, the pieces with no graph break (an experiment, not a trainer option)")
     ap.add_argument("--timed", type=int, default=0,
                     help="also time this many steps without the profiler and print tokens/s (default 0: no)")
+    ap.add_argument("--by-shape", type=int, default=0,
+                    help="also print the top N (operator, input shape) rows, token counts as T (default 0: no)")
     args = ap.parse_args()
 
+    from sftjob_trainer.allocator import in_use, reexec_with_allocator
+    reexec_with_allocator()  # as the trainer runs: before torch is loaded
+    print(in_use())
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
     from transformers import AutoTokenizer
@@ -108,8 +117,13 @@ def main() -> None:
         t0, tokens = time.perf_counter(), sum(step(k) for k in range(1, args.timed + 1))
         print(f"timed without the profiler ({args.compile=}): {args.timed} steps, "
               f"{tokens / (time.perf_counter() - t0):.0f} tokens/s")
-    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=args.by_shape > 0) as prof:
         profiled_tokens = sum(step(k) for k in range(1, args.steps + 1))
+    if args.by_shape:
+        c = model.config
+        head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        print_by_shape(prof, args.by_shape, {c.hidden_size, c.intermediate_size, c.vocab_size,
+                                             c.num_attention_heads * head, c.num_key_value_heads * head})
     events = prof.key_averages()
     if args.rows:
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
@@ -136,6 +150,25 @@ def main() -> None:
     # The bound: if every operator but the GEMMs took no time, the step would be the GEMMs'.
     print(f"tokens/s: {profiled_tokens / (total / 1e6):.0f} profiled; GEMMs alone would allow "
           f"{profiled_tokens / secs:.0f} (every other operator, Python and wait at zero)")
+
+
+def print_by_shape(prof, rows: int, model_dims: set[int]) -> None:
+    """The top rows by (operator, input shapes). A size over 64 that is none of the model's
+    own (``model_dims``) is a token count and shows as T, so one layer's product at every
+    micro-batch length is one row (a row of exactly a model size's tokens stays a number)."""
+    agg: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for e in prof.key_averages(group_by_input_shape=True):
+        shapes = str([["T" if d > 64 and d not in model_dims else d for d in s] if isinstance(s, list) else s
+                      for s in e.input_shapes])
+        a = agg[(e.key, shapes)]
+        a[0] += e.count
+        a[1] += e.self_cpu_time_total / 1e6
+        a[2] += e.flops or 0
+    total = sum(a[1] for a in agg.values())
+    print(f"top {rows} by operator and input shapes (T: tokens in the row)")
+    for (name, shapes), (count, secs, flops) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:rows]:
+        rate = f"{flops / secs / 1e9:5.0f} GFLOP/s" if flops and secs else ""
+        print(f"  {secs * 1e3:8.0f} ms {secs / total:6.1%} {int(count):6d}  {name[:40]:40s} {shapes[:64]:64s} {rate}")
 
 
 def compile_parts(model, parts: str) -> None:

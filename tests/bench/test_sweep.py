@@ -94,3 +94,23 @@ def test_the_peak_is_measured_for_the_dtypes_asked_only(tmp_path, monkeypatch):
     peak = json.loads(out.read_text())
     assert list(peak["by_size"]) == ["fp32"] and "peak_gflops_bf16" not in peak
     assert peak["peak_dtype"] == "fp32" and peak["peak_gflops"] == peak["peak_gflops_fp32"] > 0
+
+
+def test_the_profile_by_shape_folds_token_counts_into_one_row(capsys):
+    """bench.profile_step --by-shape: one layer's product at every micro-batch length is one
+    row (token counts shown as T, the model's own sizes kept), with its GFLOP/s."""
+    from types import SimpleNamespace as E
+
+    from bench.profile_step import print_by_shape
+
+    events = [E(key="aten::mm", input_shapes=[[t, 384], [384, 1024]], count=3, self_cpu_time_total=t * 1000,
+                flops=2 * t * 384 * 1024 * 3) for t in (1105, 2022)]
+    events += [E(key="aten::mul", input_shapes=[[1, 2022, 1024], [1, 2022, 1024]], count=1, self_cpu_time_total=500,
+                 flops=0), E(key="aten::mm", input_shapes=[[2022, 384], [384, 384]], count=1,
+                             self_cpu_time_total=100, flops=0)]
+    print_by_shape(E(key_averages=lambda group_by_input_shape: events), 2, {384, 1024, 8192})
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 3 and "[['T', 384], [384, 1024]]" in out[1] and " 6  " in out[1]
+    seconds = (1105 + 2022) * 1000 / 1e6
+    assert f"{2 * (1105 + 2022) * 384 * 1024 * 3 / seconds / 1e9:5.0f} GFLOP/s" in out[1]
+    assert "aten::mul" in out[2] and "[[1, 'T', 1024], [1, 'T', 1024]]" in out[2]
