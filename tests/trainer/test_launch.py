@@ -24,7 +24,7 @@ def test_wait_resolvable():
     assert time.monotonic() - t0 < 5
 
 
-def test_the_launcher_preloads_tcmalloc_unless_ld_preload_is_set():
+def test_the_allocator_rule_preloads_tcmalloc_unless_ld_preload_is_set():
     found = lambda name: "libtcmalloc_minimal.so.4" if name == TCMALLOC else None  # noqa: E731
     env, line = allocator_env({"PATH": "/bin"}, find=found)
     assert env["LD_PRELOAD"] == "libtcmalloc_minimal.so.4" and "tcmalloc" in line
@@ -38,7 +38,7 @@ def test_the_launcher_preloads_tcmalloc_unless_ld_preload_is_set():
     assert env == {"PATH": "/bin"} and "glibc" in line
 
 
-def test_processes_the_launcher_starts_run_on_tcmalloc():
+def test_a_process_started_with_the_preload_environment_runs_on_tcmalloc():
     """Not only the variable: the library is found on this machine (hack/host-packages.sh
     installs it, as the images carry it) and a process started with that environment has it
     mapped, before any of its own code runs."""
