@@ -27,7 +27,12 @@ def test_bench_smoke(tmp_path):
     assert set(runs) == {"ours", "trl_padded"}
     for r in runs.values():
         assert r["tokens_per_s"] > 0 and r["max_rss_mib"] > 0 and r["model_gflops_per_s"] > 0
-    assert 0 < runs["ours"]["mfu_trainer_reported"] < 1
+    # The MFU the trainer reports is its FLOPs over its step times against the peak the bench gave
+    # it: the bench's own figure for the same run, not a bound below 1 (a peak measured for 0.2 s
+    # on 256-wide products while the suite starts can be below what the trainer then reaches).
+    peak = json.loads((tmp_path / "res" / "peak.json").read_text())["peak_gflops"]
+    ours = runs["ours"]
+    assert ours["mfu_trainer_reported"] == pytest.approx(ours["model_gflops_per_s"] / peak, rel=0.1)
     # Same samples, same initial weights and optimizer: the same loss curve (up to kernel differences).
     assert runs["ours"]["real_tokens"] == runs["trl_padded"]["real_tokens"]
     assert abs(runs["ours"]["final_loss"] - runs["trl_padded"]["final_loss"]) < 2e-3
