@@ -136,6 +136,16 @@ class TrainerConfig(_Section):
         "offload): fits a model whose states exceed the accelerators' memory, at the cost of host-device copies. "
         "GPU only.",
     )
+    fsdp_gather: Literal["auto", "per_layer", "per_step"] = Field(
+        default="auto",
+        description="How often FSDP gathers the sharded weights and reduces the gradients (2 or more processes). "
+        "per_layer: each layer's weights are gathered for its forward and again for its backward, gradients "
+        "reduced after every micro-batch (least memory). per_step: the gathered weights and full gradients are "
+        "kept from the step's first forward to its last backward (one gather and one reduction per step; costs "
+        "the model's weights in the compute dtype plus fp32 gradients per rank). auto: per_step when that fits in "
+        "a tenth of a rank's memory (the GPU's; on a CPU its share of the pod's limit), else per_layer. The "
+        "trainer logs its choice.",
+    )
     early_stopping_patience: int = Field(
         default=0, ge=0,
         description="Stop training (successfully, reason EarlyStopped) after this many validations in a row "
@@ -179,6 +189,13 @@ class SFTConfig(_Section):
         for name, on in (("early_stopping_patience", t.early_stopping_patience > 0), ("export", t.export == "best")):
             if on and (not self.data.val_files or t.test_freq == 0):
                 raise ValueError(f"trainer.{name} needs periodic validation: set data.val_files and trainer.test_freq")
+        return self
+
+    @model_validator(mode="after")
+    def _per_step_gather_holds_the_model(self) -> SFTConfig:
+        if self.trainer.fsdp_gather == "per_step" and self.trainer.cpu_offload:
+            raise ValueError("trainer.fsdp_gather=per_step keeps the whole model on each GPU for the step, which "
+                             "trainer.cpu_offload is there to avoid: use fsdp_gather auto or per_layer with it")
         return self
 
     @model_validator(mode="after")

@@ -355,6 +355,9 @@ class SFTJobSpec(SpecModel):
         cel("!self.training.cpuOffload || self.resources.gpusPerNode > 0",
              "training.cpuOffload needs a GPU job (resources.gpusPerNode > 0): on a CPU job the states already live "
              "in host memory", field_path=".training.cpuOffload"),
+        cel("self.training.fsdpGather != 'per_step' || !self.training.cpuOffload",
+             "training.fsdpGather per_step keeps the whole model on each GPU for the step, which training.cpuOffload "
+             "is there to avoid: use auto or per_layer with it", field_path=".training.fsdpGather"),
         cel(f"self.training.earlyStoppingPatience == 0 || {_VALIDATES}",
              "training.earlyStoppingPatience needs periodic validation: set data.valFiles and training.testFreq",
              field_path=".training.earlyStoppingPatience"),

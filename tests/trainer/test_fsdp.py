@@ -11,7 +11,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig
 from sftjob_trainer.data import SampleBuilder, SFTDataset
@@ -22,13 +21,6 @@ pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _deep_model(assets, tmp_path, layers: int):

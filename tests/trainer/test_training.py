@@ -87,16 +87,23 @@ def test_sigterm_then_rerun_resumes_exactly(assets, tmp_path):
 
 
 def test_accumulation_and_world_size_invariance(assets, tmp_path):
-    """Global batch 8 as 1×8, 8×1 and 2 ranks × 4×1 gives the same per-step losses."""
+    """Global batch 8 as 1×8, 8×1 and 2 ranks × 4×1 gives the same per-step losses, with FSDP gathering
+    the weights once per step (auto's choice for this model: gradients accumulate unreduced over the
+    4 micro-batches) and per layer and micro-batch (a large model's way)."""
     runs = {}
-    for name, micro, nproc in (("1x8", 8, 1), ("8x1", 1, 1), ("2proc", 1, 2)):
-        out = tmp_path / name
+    for name, micro, nproc, gather in (("1x8", 8, 1, "auto"), ("8x1", 1, 1, "auto"), ("2proc", 1, 2, "auto"),
+                                       ("2proc per layer", 1, 2, "per_layer")):
+        out = tmp_path / name.replace(" ", "_")
         res = runner.run(runner.base_args(assets, out, **{"data.micro_batch_size_per_gpu": micro,
-                                                          "trainer.total_training_steps": 5}), out, nproc=nproc)
+                                                          "trainer.total_training_steps": 5,
+                                                          "trainer.fsdp_gather": gather}), out, nproc=nproc)
         assert res.code == 0, res.why()
         runs[name] = [r["loss"] for r in res.steps()]
+        if nproc == 2:
+            said = "per step (auto:" if gather == "auto" else "per layer and micro-batch (trainer.fsdp_gather"
+            assert f"FSDP gathers the weights {said}" in res.output, res.why()
     assert len(runs["1x8"]) == 5
-    for name in ("8x1", "2proc"):
+    for name in ("8x1", "2proc", "2proc per layer"):
         assert max(abs(a - b) for a, b in zip(runs["1x8"], runs[name])) < 1e-5, (name, runs)
 
 

@@ -14,7 +14,7 @@ from sftjob_contract.config import SFTConfig
 
 from . import checkpoint as ckpt
 from . import dist as dist_utils
-from . import early_stop, mixing, tracking
+from . import early_stop, gather, mixing, tracking
 from .data import SampleBuilder, SFTDataset
 from .batching import GlobalBatches, eval_batches, logged_ids, min_micro_batch_tokens
 from .dist import World
@@ -102,8 +102,8 @@ class Trainer:
                                  offload=cfg.trainer.cpu_offload, from_checkpoint=self.from_checkpoint)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim,
                                          fused=world.size == 1 and not cfg.trainer.cpu_offload)
-        self.n_matmul = matmul_params(self.model)
-        self.n_layers, self.d_attn = attention_dims(self.model)
+        self.gather = gather.plan(self.model, cfg.trainer, world)  # FSDP's gathers: per layer or per step
+        self.n_matmul, (self.n_layers, self.d_attn) = matmul_params(self.model), attention_dims(self.model)
 
         self.checkpoints = self.outputs.checkpoints
         self.outputs.restore_metrics()
@@ -282,7 +282,7 @@ class Trainer:
         # FSDP averages gradients over ranks; scaling by the world size turns that average
         # into the sum, so the gradient is exactly d(sum of CE)/d(w) / (global target tokens).
         scale = self.world.size / n_targets
-        for mb in micro_batches:
+        for mb in self.gather.micro_batches(micro_batches):
             ce = ce_sum(self.model, mb, self.world.device, self.cfg.trainer.precision)
             (ce * scale).backward()
             loss_sum += ce.detach().double().cpu()
