@@ -36,6 +36,13 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.internal.v1.opt"
   "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
 [grpc]
   address = "{d}/c.sock"
+# Garbage collection after every change, not after a hundred: a load that leaves what it reuses
+# unreferenced for a moment loses it here every time, not once in a few runs.
+[plugins."io.containerd.gc.v1.scheduler"]
+  mutation_threshold = 1
+  deletion_threshold = 1
+  schedule_delay = "0s"
+  startup_delay = "0s"
 """
 
 

@@ -16,6 +16,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from collections.abc import Iterable, Mapping
 
@@ -130,19 +131,32 @@ def _oci_layout(archive: Path, ref: str, have: set[str], out) -> int:
     return sent
 
 
+def _staging_ref(ref: str) -> str:
+    """A name of its own for an image while it is imported (see _import)."""
+    tag = f"loading-{uuid.uuid4().hex[:8]}"
+    return f"{ref}-{tag}" if ":" in ref.rsplit("/", 1)[-1] else f"{ref}:{tag}"
+
+
 def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None) -> int:
     """ctr images import of img, sending only the layers this containerd lacks (an edited
     source changes the trainer's last, small layer, not its GBs of requirements), then the
-    removal of its layer blobs once unpacked. Returns the bytes of layers sent."""
+    removal of its layer blobs once unpacked. Returns the bytes of layers sent.
+
+    The image is imported under a name of its own and only then tagged as img.ref: importing
+    straight over an earlier build of the same ref leaves that build unreferenced while the
+    new one unpacks, and containerd's garbage collector may then remove the snapshots of the
+    layers they share (the ones not sent), failing the unpack ("parent snapshot ... does not
+    exist", "content digest ... not found")."""
     config, layers = _archive_layers(img.archive)
     have = _held_layers(address, namespace, config, snapshotter)
     extra = ["--snapshotter", snapshotter] if snapshotter else []
     cmd = [need("ctr"), "--address", address, "-n", namespace, "images", "import", *extra, "-"]
+    staging = _staging_ref(img.ref)
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
         assert proc.stdin is not None
         try:
-            sent = _oci_layout(img.archive, img.ref, have, proc.stdin)
+            sent = _oci_layout(img.archive, staging, have, proc.stdin)
         except BrokenPipeError:  # ctr quit early; its stderr says why
             sent = -1
         finally:
@@ -155,7 +169,11 @@ def _import(address: str, namespace: str, img: ImageRef, snapshotter: str | None
             if "no space left on device" in why:
                 why += (f"\nthe disk of {address}'s containerd is full: unpacking {img.ref} needs about "
                         f"{human(img.size)} more")
+            subprocess.run([need("ctr"), "--address", address, "-n", namespace, "images", "rm", staging],
+                           capture_output=True)
             raise ImagesError(f"{' '.join(cmd)} < {img.archive} failed (exit {rc}): {why}")
+    _ctr(address, namespace, "images", "tag", "--force", staging, img.ref)
+    _ctr(address, namespace, "images", "rm", staging)
     if img.ref in _ready_images(address, namespace, snapshotter):
         discard_unpacked_layers(address, namespace, [d for d, _ in layers])
     return sent
