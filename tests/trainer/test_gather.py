@@ -97,7 +97,7 @@ def _step(assets, precision: str, per_step: bool, monkeypatch):
     model = _build(assets / "model", precision)
     batches = [_packed(assets / "model", assets, rows=r) for r in (3, 4, 5)]
     calls = _count(monkeypatch)
-    plan = gather.Plan(model, per_step, decoder_layers(model) if per_step else ())
+    plan = gather.Plan(model, per_step)
     for mb in plan.micro_batches(batches):
         ce_sum(model, mb, CPU, precision).backward()
     groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")

@@ -17,14 +17,14 @@ so its state stays sharded and the step's arithmetic is the same up to summation
 may use (the accelerator's memory; on a CPU the pod's memory limit, or the host's without
 one, shared by the node's ranks), else ``per_layer``; one process and CPU offload stay
 ``per_layer`` (nothing to gather / the point of offload is not to hold the model). Measured
-on the bench model at 2 ranks on a 2-core CPU: 1.06-1.07x tokens/s (bench/README.md).
+on the bench model at 2 ranks on a 2-core CPU: 1.09x tokens/s (1.04-1.12x per repetition; bench/README.md).
 """
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar, cast
 
@@ -86,7 +86,7 @@ def choose(setting: str, extra: int, memory: int, sharded: bool, offload: bool) 
     return False, f"per layer and micro-batch (auto: the gathered model and its gradients, {size}, exceed {budget})"
 
 
-def micro_batches(model: nn.Module, layers: Sequence[nn.Module], per_step: bool, batches: Sequence[T]) -> Iterator[T]:
+def micro_batches(model: nn.Module, per_step: bool, batches: Sequence[T]) -> Iterator[T]:
     """The step's micro-batches, with FSDP2 told before each what to keep when ``per_step``:
     layers stay gathered after their forward; gradients are neither reduced nor the weights freed
     until the last micro-batch's backward, after which everything is sharded again."""
@@ -95,8 +95,10 @@ def micro_batches(model: nn.Module, layers: Sequence[nn.Module], per_step: bool,
         return
     from torch.distributed.fsdp import FSDPModule
 
+    from .model import decoder_layers
+
     root = cast(FSDPModule, model)
-    fsdp_layers = [layer for layer in layers if isinstance(layer, FSDPModule)]
+    fsdp_layers = [layer for layer in decoder_layers(model) if isinstance(layer, FSDPModule)]
     for layer in fsdp_layers:
         layer.set_reshard_after_forward(False)
     try:
@@ -116,17 +118,14 @@ def micro_batches(model: nn.Module, layers: Sequence[nn.Module], per_step: bool,
 class Plan:
     model: nn.Module
     per_step: bool
-    layers: Sequence[nn.Module] = field(default=())
 
     def micro_batches(self, batches: Sequence[T]) -> Iterator[T]:
-        return micro_batches(self.model, self.layers, self.per_step, batches)
+        return micro_batches(self.model, self.per_step, batches)
 
 
 def plan(model: nn.Module, trainer: TrainerConfig, world: World) -> Plan:
     """The trainer's choice for a built (sharded or not) model; rank 0 logs it."""
     from torch.distributed.fsdp import FSDPModule
-
-    from .model import decoder_layers
 
     sharded = isinstance(model, FSDPModule) and world.size > 1
     extra = extra_bytes(model, trainer.precision) if sharded else 0
@@ -134,4 +133,4 @@ def plan(model: nn.Module, trainer: TrainerConfig, world: World) -> Plan:
     per_step, why = choose(trainer.fsdp_gather, extra, memory, sharded, trainer.cpu_offload)
     if world.is_main and sharded:
         log.info("FSDP gathers the weights %s", why)
-    return Plan(model, per_step, decoder_layers(model) if per_step else ())
+    return Plan(model, per_step)
