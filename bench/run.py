@@ -78,12 +78,18 @@ def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, p
     # Measured in every invocation: the peak moves with the machine's load like the runs do.
     peak_json = out_dir / "peak.json"
     if not peak_json.exists():
-        subprocess.run([py, "-m", "bench.matmul_peak", "--json", str(peak_json), "--seconds", str(peak_seconds),
-                        "--repeats", "2", "--sizes", *peak_sizes.split(","), "--threads", str(threads),
-                        "--dtypes", *peak_dtypes], check=True,
-                       stdout=subprocess.DEVNULL, cwd=ROOT)
+        measure_peak(peak_json, peak_seconds, peak_sizes, threads, peak_dtypes)
     return {"data": data, "model": model, "peak": json.loads(peak_json.read_text()), "peak_json": peak_json,
             "stats": stats}
+
+
+def measure_peak(peak_json: Path, seconds: float, sizes: str = "1024,2048", threads: int = 0,
+                 dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict:
+    """bench.matmul_peak in a process of its own (as the contenders run), written to ``peak_json``."""
+    subprocess.run([sys.executable, "-m", "bench.matmul_peak", "--json", str(peak_json), "--seconds", str(seconds),
+                    "--repeats", "2", "--sizes", *sizes.split(","), "--threads", str(threads), "--dtypes", *dtypes],
+                   check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+    return json.loads(peak_json.read_text())
 
 
 def check_same_tokens(data: Path, model: Path, n: int = 64) -> None:

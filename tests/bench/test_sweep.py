@@ -38,6 +38,23 @@ def test_verdicts_hold_every_point_to_the_trl_ratio_and_the_bench_point_to_the_m
                         "L128: ours ÷ TRL packed 1.50× (need ≥ 1.7: – MFU) FAIL"]
 
 
+def test_mfu_is_against_the_higher_of_the_peaks_measured_before_and_after_the_points():
+    """One box measured 179 and 195 GFLOP/s with the same command minutes apart: a peak taken in
+    a slow minute alone would pass an MFU that the machine's own faster minute fails."""
+    from bench.sweep import higher_peak, table
+
+    row = {"point": "bench", "shape": {"max_len": 512, "global_batch": 16, "micro_batch": 4, "nproc": 1},
+           "steps": 10, "tokens_per_s": {"ours": 1900.0}, "gflops": {"ours": 157.0}}
+    before, after = {"peak_gflops_fp32": 179.0, "threads": 2}, {"peak_gflops_fp32": 195.0, "threads": 2}
+    assert table([row], before)[1][-1] == "bench: MFU 87.7% of the fp32 peak (need ≥ 85%) PASS"
+    for peak in (higher_peak(before, after), higher_peak(after, before)):
+        assert peak["peak_gflops_fp32"] == 195.0
+        text, verdicts = table([row], peak)
+        assert verdicts[-1] == "bench: MFU 80.5% of the fp32 peak (need ≥ 85%) FAIL"
+    assert text.startswith("fp32 matmul peak 195 GFLOP/s (the higher of 195 before the first point and 179 after "
+                           "the last, 2 threads)")
+
+
 def test_repetitions_show_medians_and_every_repetition_must_pass():
     """--reps: a median that passes is not enough when one repetition's own ratio fails."""
     from bench.sweep import median_row, table
