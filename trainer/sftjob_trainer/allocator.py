@@ -33,7 +33,7 @@ def allocator_env(env: dict[str, str], find: Callable[[str], str | None] = ctype
         return env, f"memory allocator: as LD_PRELOAD={env[PRELOAD]!r} sets it"
     lib = find(TCMALLOC)
     if not lib:
-        return env, "memory allocator: glibc malloc (no tcmalloc here)"
+        return env, "memory allocator: the C library's malloc (no tcmalloc here)"
     return ({**env, PRELOAD: lib, TCMALLOC_REPORT: env.get(TCMALLOC_REPORT, str(1 << 40))},
             f"memory allocator: tcmalloc ({lib}); an LD_PRELOAD in the environment, even empty, overrides it")
 
