@@ -56,7 +56,10 @@ DATA_SHA = "80c74d2f"  # prefix of make_data.py's ids_sha256 for the default arg
 # --------------------------------------------------------------------------- inputs
 
 
-def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, peak_sizes: str = "1024,2048",
+PEAK_SIZES = "1024,2048"   # the matmul sizes the peak is measured at
+
+
+def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, peak_sizes: str = PEAK_SIZES,
             threads: int = 0, data_args: tuple[str, ...] = (), peak_dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict:
     """Data and the seed-0 model in the form our trainer loads (made once), and the matmul peak.
     ``data_args``: make_data.py's length options, for a set of another shape (bench.sweep);
@@ -83,7 +86,7 @@ def prepare(work: Path, out_dir: Path, peak_seconds: float, num_examples: int, p
             "stats": stats}
 
 
-def measure_peak(peak_json: Path, seconds: float, sizes: str = "1024,2048", threads: int = 0,
+def measure_peak(peak_json: Path, seconds: float, sizes: str = PEAK_SIZES, threads: int = 0,
                  dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict:
     """bench.matmul_peak in a process of its own (as the contenders run), written to ``peak_json``."""
     subprocess.run([sys.executable, "-m", "bench.matmul_peak", "--json", str(peak_json), "--seconds", str(seconds),
