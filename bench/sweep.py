@@ -14,6 +14,9 @@ like `make bench`, fp32:
   trl_packed     TRL's fastest mode here (packed rows of max_len tokens)
   plain_padfree  a hand-written padding-free loop
 
+and on request (--contenders) bench.run's others, each with a column of its own: ours_compiled
+(trainer.compile), trl_padded, trl_padfree, plain_padded.
+
 Each contender trains until about ``--tokens`` tokens are timed (after 2 warm-up steps), so
 every point costs about the same time. MFU is against the fp32 matmul peak (bench.matmul_peak;
 bf16's is not measured: minutes where a CPU emulates it), measured before the first point and
@@ -41,7 +44,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.run import BENCH, ROOT, Shape, measure_peak, prepare, run_one
+from bench.run import BENCH, OURS, PEERS, ROOT, Shape, measure_peak, prepare, run_one
 
 POINTS: dict[str, Shape] = {
     "L128": Shape(max_len=128, global_batch=16, micro_batch=4),
@@ -53,6 +56,8 @@ POINTS: dict[str, Shape] = {
     "2ranks": Shape(nproc=2),
 }
 CONTENDERS = ("ours", "ours_baseline", "trl_packed", "plain_padfree")
+# bench.run's other contenders: a sweep runs them on request (a typo fails before any input is made).
+EXTRA_CONTENDERS = tuple(sorted((set(OURS) | set(PEERS)) - set(CONTENDERS)))
 WARMUP = 2
 TRL_RATIO, MFU_AT_BENCH = 1.7, 0.85
 
@@ -131,11 +136,13 @@ def peak_line(peak: dict) -> str:
 
 def table(rows: list[dict], peak: dict) -> tuple[str, list[str]]:
     fp32 = peak["peak_gflops_fp32"]
+    # The four usual contenders always have a column; any other that ran (ours_compiled, ...) one more.
+    cols = [*CONTENDERS, *sorted({c for r in rows for c in r["tokens_per_s"]} - set(CONTENDERS))]
     lines = [peak_line(peak), "",
-             "| point | max len | global | micro | ranks (ours) | steps | ours | ours_baseline | trl_packed "
-             "| plain_padfree | MFU ours | MFU TRL | MFU 1.7× TRL needs | ours ÷ TRL | baseline ÷ TRL "
-             "| ours ÷ baseline | ours ÷ plain |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| point | max len | global | micro | ranks (ours) | steps | " + " | ".join(cols)
+             + " | MFU ours | MFU TRL | MFU 1.7× TRL needs | ours ÷ TRL | baseline ÷ TRL | ours ÷ baseline "
+             "| ours ÷ plain |",
+             "|---" * (6 + len(cols) + 7) + "|"]
     verdicts = []
     for r in rows:
         s, t = r["shape"], r["tokens_per_s"]
@@ -148,7 +155,7 @@ def table(rows: list[dict], peak: dict) -> tuple[str, list[str]]:
                                                                        ("ours", "ours_baseline"),
                                                                        ("ours", "plain_padfree")))
         lines.append(f"| {r['point']} | {s['max_len']} | {s['global_batch']} | {s['micro_batch']} | {s['nproc']} "
-                     f"| {r['steps']} | " + " | ".join(f"{t[c]:.0f}" if c in t else "–" for c in CONTENDERS)
+                     f"| {r['steps']} | " + " | ".join(f"{t[c]:.0f}" if c in t else "–" for c in cols)
                      + f" | {pct(mfu)} | {pct(mfu_trl)} | {pct(TRL_RATIO * mfu_trl)} | "
                      + " | ".join(map(times, (vs_trl, base, vs_base, vs_plain))) + " |")
         each = rep_ratios(r, "ours", "trl_packed")
@@ -170,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--points", default=",".join(POINTS), help=f"comma-separated, from {', '.join(POINTS)}")
     ap.add_argument("--contenders", default=None,
                     help=f"comma-separated, from {', '.join(CONTENDERS)} (default: all; ours_baseline only "
-                    "with --baseline-trainer)")
+                    f"with --baseline-trainer), or bench.run's others ({', '.join(EXTRA_CONTENDERS)}): "
+                    "a column of their own")
     ap.add_argument("--baseline-trainer", type=Path, default=None,
                     help="a trainer/ directory (another checkout; its contract/ beside it) that ours_baseline runs")
     ap.add_argument("--baseline-as-is", action="store_true",
@@ -190,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown points {unknown}; known: {', '.join(POINTS)}")
     contenders = (args.contenders.split(",") if args.contenders else
                   [c for c in CONTENDERS if c != "ours_baseline" or args.baseline_trainer])
+    if unknown := [c for c in contenders if c not in (*CONTENDERS, *EXTRA_CONTENDERS)]:
+        ap.error(f"--contenders: unknown {unknown}; known: {', '.join((*CONTENDERS, *EXTRA_CONTENDERS))}")
     if "ours_baseline" in contenders and not args.baseline_trainer:
         ap.error("ours_baseline needs --baseline-trainer DIR")
     out = args.out or args.work / "sweep-results" / time.strftime("%Y%m%d-%H%M%S")

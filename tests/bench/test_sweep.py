@@ -75,6 +75,27 @@ def test_repetitions_show_medians_and_every_repetition_must_pass():
     assert table([alone], peak)[1] == ["2ranks: ours ÷ TRL packed – (needs both runs)"]
 
 
+def test_another_contender_gets_a_column_and_a_misspelt_one_fails_before_any_run(capsys):
+    """--contenders ours,ours_compiled,trl_packed ran compile but its tokens/s were in no column;
+    a typo ran into a KeyError only after the inputs were made (minutes)."""
+    from bench.sweep import main, table
+
+    peak = {"peak_gflops_fp32": 100.0, "threads": 2}
+    row = {"point": "micro1", "shape": {"max_len": 512, "global_batch": 16, "micro_batch": 1, "nproc": 1},
+           "steps": 10, "tokens_per_s": {"ours": 1500.0, "trl_packed": 1000.0, "ours_compiled": 1650.0},
+           "gflops": {"ours": 60.0, "trl_packed": 40.0}}
+    text = table([row], peak)[0].splitlines()
+    assert text[2].startswith("| point | max len | global | micro | ranks (ours) | steps | ours | ours_baseline "
+                              "| trl_packed | plain_padfree | ours_compiled | MFU ours |")
+    assert text[3].count("---") == text[2].count("|") - 1
+    assert text[4].startswith("| micro1 | 512 | 16 | 1 | 1 | 10 | 1500 | – | 1000 | – | 1650 | 60.0% |")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--contenders", "ours,trl_pakced", "--work", "/nonexistent/never-made"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--contenders: unknown ['trl_pakced']" in err and "ours_compiled" in err
+
+
 def test_the_baseline_is_told_to_pack_unless_it_runs_as_its_user_got_it():
     from bench.run import contender_shape
     from bench.sweep import POINTS
