@@ -55,6 +55,24 @@ def test_mfu_is_against_the_higher_of_the_peaks_measured_before_and_after_the_po
                            "the last, 2 threads)")
 
 
+def test_a_sweep_measures_the_peak_again_after_its_last_point_and_reports_the_higher(tmp_path, monkeypatch):
+    """main's wiring of the second measurement (the table test above holds only higher_peak)."""
+    import json
+
+    from bench import sweep
+
+    monkeypatch.setattr(sweep, "point_inputs", lambda *a: ({"peak": {"peak_gflops_fp32": 179.0, "threads": 2}}, 10))
+    monkeypatch.setattr(sweep, "run_one", lambda name, *a: {"tokens_per_s": 1900.0, "model_gflops_per_s": 157.0,
+                                                             "final_loss": 8.0})
+    measured = []
+    monkeypatch.setattr(sweep, "measure_peak", lambda path, *a, **k: measured.append(path) or
+                        {"peak_gflops_fp32": 195.0, "threads": 2})
+    assert sweep.main(["--points", "bench", "--contenders", "ours", "--out", str(tmp_path)]) == 0
+    assert measured == [tmp_path / "peak-after.json"]
+    assert json.loads((tmp_path / "sweep.json").read_text())["peak"]["measured_fp32"] == [179.0, 195.0]
+    assert "bench: MFU 80.5% of the fp32 peak (need ≥ 85%) FAIL" in (tmp_path / "sweep.md").read_text()
+
+
 def test_repetitions_show_medians_and_every_repetition_must_pass():
     """--reps: a median that passes is not enough when one repetition's own ratio fails."""
     from bench.sweep import median_row, table
