@@ -275,7 +275,6 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
     cluster.helm("uninstall", release, "-n", system_ns, "--wait", "--timeout", "120s")
     sel = f"labelSelector=app.kubernetes.io/instance%3D{release}"
     for path in (f"/apis/apps/v1/namespaces/{system_ns}/deployments",
-                 f"/apis/apps/v1/namespaces/{system_ns}/replicasets",
                  f"/api/v1/namespaces/{system_ns}/serviceaccounts", f"/api/v1/namespaces/{system_ns}/services",
                  f"/api/v1/namespaces/{system_ns}/configmaps",
                  f"/apis/networking.k8s.io/v1/namespaces/{system_ns}/networkpolicies",
@@ -287,8 +286,14 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
                  "/apis/rbac.authorization.k8s.io/v1/clusterroles",
                  "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"):
         assert cluster.kube.get(f"{path}?{sel}")["items"] == [], path
-    wait_for(lambda: not cluster.kube.get(f"/api/v1/namespaces/{system_ns}/pods?{sel}")["items"], 60,
-             what="the operator pod to be gone")
+    # The Deployment's ReplicaSets and pods are not in the release: helm deletes the Deployment
+    # (background propagation) and waits for it alone, and the garbage collector removes its
+    # dependents after, a while later on a loaded machine.
+    # (The old ReplicaSet of the upgrade, scaled 2 -> 1 -> 0, was once still listed here.)
+    for kind, path in (("ReplicaSets", f"/apis/apps/v1/namespaces/{system_ns}/replicasets?{sel}"),
+                       ("pods", f"/api/v1/namespaces/{system_ns}/pods?{sel}")):
+        wait_for(lambda path=path: not cluster.kube.get(path)["items"], 120,
+                 what=f"the garbage collector to remove the operator's {kind}")
     secrets = cluster.kube.get(f"/api/v1/namespaces/{system_ns}/secrets?labelSelector=owner%3Dhelm")["items"]
     assert secrets == [], "helm's release record is left"
     crd_now = cluster.kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{CRD_NAME}")
