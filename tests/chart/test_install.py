@@ -289,7 +289,6 @@ def _install_run_upgrade_uninstall(cluster, release, jobs_ns, system_ns, tmp_pat
     # The Deployment's ReplicaSets and pods are not in the release: helm deletes the Deployment
     # (background propagation) and waits for it alone, and the garbage collector removes its
     # dependents after, a while later on a loaded machine.
-    # (The old ReplicaSet of the upgrade, scaled 2 -> 1 -> 0, was once still listed here.)
     for kind, path in (("ReplicaSets", f"/apis/apps/v1/namespaces/{system_ns}/replicasets?{sel}"),
                        ("pods", f"/api/v1/namespaces/{system_ns}/pods?{sel}")):
         wait_for(lambda path=path: not cluster.kube.get(path)["items"], 120,
