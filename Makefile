@@ -35,13 +35,18 @@ lint: lint-install ## Run ruff and mypy
 	$(VENV)/bin/ruff check
 	$(VENV)/bin/mypy
 
+# A passing run removes its temporary directories (the suite writes GBs of checkpoints, models
+# and cluster state); a failing run keeps those of its failed tests to read. Set here, not in
+# pyproject.toml, whose content keys the images' layers. CI shares one disk with the binary cache.
+PYTEST_OPTS := -o tmp_path_retention_policy=failed
+
 # The cluster tests need every binary, Kueue's included; they build while the venv installs.
 test: PREPARE = k8s etcd helm minio kwok coredns kueue netpol
 test: cluster-prepare install checkov-install lint-install ## Run the whole test suite (unit, distributed, cluster)
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 test-unit: install checkov-install lint-install ## Run only the fast tests (no torchrun, no cluster)
-	$(PY) -m pytest tests -m "unit" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "unit" $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 -include hack/cluster.mk
 -include operator/operator.mk

@@ -42,10 +42,10 @@ chart-scan: $(HELM) $(CHECKOV) ## checkov on the rendered chart and both Dockerf
 	$(CHECKOV) --config-file charts/checkov.yaml --quiet --framework dockerfile -f images/operator/Dockerfile -f images/trainer/Dockerfile
 
 chart-test: install $(HELM) $(CHECKOV) ## Chart unit tests: lint, schema typos, CRD drift, RBAC table, hadolint, checkov
-	$(PY) -m pytest tests/chart -m unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/chart -m unit $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 chart-test-cluster: install ## Chart on the local cluster: install, example to Succeeded, upgrade, uninstall, RBAC
-	$(PY) -m pytest tests/chart -m cluster $(PYTEST_ARGS)
+	$(PY) -m pytest tests/chart -m cluster $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 # With a docker engine: docker build, the published bases. Without one (this project's
 # machines): hack/localcluster/images/ builds the base, pause, operator and trainer images

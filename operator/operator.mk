@@ -18,10 +18,10 @@ operator-run: crds-install ## Run the operator against the local cluster (all na
 	@$(CLUSTER_ENV); $(VENV)/bin/sftjob-operator --all-namespaces --metrics-port 8090 --liveness-port 8091
 
 operator-test: install ## Operator unit tests (API/CRD drift, builders, failure policy, reconcile)
-	$(PY) -m pytest tests/operator -m unit $(PYTEST_ARGS)
+	$(PY) -m pytest tests/operator -m unit $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 operator-test-cluster: install ## Operator acceptance tests on the local cluster (starts it if needed)
-	$(PY) -m pytest tests/operator -m cluster $(PYTEST_ARGS)
+	$(PY) -m pytest tests/operator -m cluster $(PYTEST_OPTS) $(PYTEST_ARGS)
 
 example-assets: install ## Tiny model+data in the cluster's MinIO and the S3 Secret in NAMESPACE (make example-assets NAMESPACE=demo)
 	@$(CLUSTER_ENV); kubectl create namespace $(NAMESPACE) --dry-run=client -o yaml | kubectl apply -f - >/dev/null
