@@ -9,6 +9,9 @@ spreads over all of them):
   trl_packed     HF TRL SFTTrainer, packing=True (bfd), TRL's fastest mode here
   plain_padfree  a hand-written padding-free torch loop
   ours_compiled  (opt-in) ours with trainer.compile=true: torch.compile per decoder layer
+  ours_mkl_vendor  (opt-in) ours with trainer.cpu_mkl_dispatch=vendor: oneMKL's own kernel choice
+                 on an AMD CPU (what every peer gets), to show what the trainer's choice is worth
+  trl_packed_mkl (opt-in) trl_packed with oneMKL's kernels chosen as our trainer chooses them
   ours_baseline  (opt-in, with --baseline-trainer DIR) ours from another checkout's trainer/
                  directory (and its contract/ beside it), e.g.
                  `git archive main trainer contract | tar -x -C /tmp/base`: before/after numbers
@@ -41,11 +44,13 @@ CONTENDERS = ["ours", "trl_padded", "trl_packed", "plain_padfree"]
 # Variants of our trainer: the extra overrides each runs with. ours_baseline: another checkout's
 # trainer (--baseline-trainer), told to pack (the default since issue 30; before it, padded), or
 # with --baseline-as-is run with that checkout's own defaults (what its user got).
-OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": []}
+OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": [],
+        "ours_mkl_vendor": ["trainer.cpu_mkl_dispatch=vendor"]}
 # The other contenders: the bench module each runs (python -m, from the checkout's root) and its flags.
 PEERS = {
     "trl_padded": ("bench.peer_trl", ["--mode", "padded"]),
     "trl_packed": ("bench.peer_trl", ["--mode", "packed"]),
+    "trl_packed_mkl": ("bench.peer_trl", ["--mode", "packed", "--mkl-dispatch", "instruction_set"]),
     "trl_padfree": ("bench.peer_trl", ["--mode", "padfree"]),
     "plain_padfree": ("bench.plain_loop", ["--mode", "padfree"]),
     "plain_padded": ("bench.plain_loop", ["--mode", "padded"]),
@@ -295,11 +300,14 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
             t = med("tokens_per_s", trl)
             checks.append(f"{precision}: ours ÷ TRL best (packed) = {o / t:.2f}× (need ≥ 1.30) "
                           f"{'PASS' if o >= 1.3 * t else 'FAIL'}")
-        for variant in ("ours_compiled", "ours_baseline"):
+        for variant in ("ours_compiled", "ours_baseline", "ours_mkl_vendor"):
             if (v := by.get((variant, precision))):
                 vs = med("tokens_per_s", v)
                 vs_trl = f", ÷ TRL packed = {vs / med('tokens_per_s', trl):.2f}×" if trl else ""
                 checks.append(f"{precision}: {variant} ÷ ours = {vs / o:.2f}×{vs_trl}")
+        if (trl_mkl := by.get(("trl_packed_mkl", precision))):
+            vs = o / med("tokens_per_s", trl_mkl)
+            checks.append(f"{precision}: ours ÷ TRL packed with our oneMKL kernels = {vs:.2f}×")
         if (plain := by.get(("plain_padfree", precision))):
             p = med("tokens_per_s", plain)
             checks.append(f"{precision}: ours ÷ plain padding-free loop = {o / p:.2f}× (need ≥ 1.00) "

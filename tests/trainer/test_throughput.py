@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig
 from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
+from sftjob_trainer.cpu_blas import read_cpu, why_not
 from sftjob_trainer.batching import GlobalBatches, collate, logged_ids, rank_shares, split_to, token_groups
 
 from . import runner
@@ -258,7 +259,8 @@ def test_on_a_cpu_the_default_budget_has_a_floor_set_by_the_model_width(assets, 
 @pytest.mark.distributed
 def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_path):
     """Real trainer runs: same samples per step, so packed/token-budget losses equal the padded ones
-    (and the allocator, tcmalloc or the C library's, changes none of them)."""
+    (and the allocator, tcmalloc or the C library's, changes none of them; oneMKL's kernels, as it
+    chooses them or by instruction set, change them only by fp32 rounding)."""
     over = {"trainer.total_training_steps": 4, "data.micro_batch_size_per_gpu": 4, "data.shuffle": "false",
             "trainer.peak_tflops": 1.0}
     variants = {
@@ -266,10 +268,11 @@ def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_pa
         "packed": {"data.packing": "true"},
         "budget": {"data.packing": "true", "data.max_tokens_per_micro_batch": 100},
         "packed, glibc": {"data.packing": "true"},
+        "packed, mkl vendor": {"data.packing": "true", "trainer.cpu_mkl_dispatch": "vendor"},
     }
     losses = {}
     for name, extra in variants.items():
-        out = tmp_path / name.replace(", ", "-")
+        out = tmp_path / name.replace(", ", "-").replace(" ", "-")
         # Two runs keep the C library's malloc (an empty LD_PRELOAD is the user's choice); the
         # others run on the tcmalloc the launcher preloads, which changes no loss (not one bit).
         glibc = {"LD_PRELOAD": ""} if name in ("padded", "packed, glibc") else None
@@ -284,9 +287,15 @@ def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_pa
         mapped = [line for line in res.output.splitlines()
                   if "memory allocator: tcmalloc" in line and "sftjob launch:" not in line]
         assert bool(mapped) == (glibc is None), res.why()
+        # Rank 0 says which GEMM kernels oneMKL was left to or given (cpu_blas.py): given on an
+        # AMD CPU with AVX2 and FMA, unless the config says vendor.
+        mkl = why_not(extra.get("trainer.cpu_mkl_dispatch", "instruction_set"), read_cpu())
+        said = "by this AMD CPU's instruction sets" if mkl is None else mkl
+        assert sum("oneMKL GEMM kernels:" in line and said in line for line in res.output.splitlines()) == 1, \
+            res.why()
     assert len(losses["padded"]) == 4
     assert losses["packed, glibc"] == losses["packed"]
-    for name in ("packed", "budget"):
+    for name in ("packed", "budget", "packed, mkl vendor"):
         assert max(abs(a - b) for a, b in zip(losses["padded"], losses[name])) < 1e-4, (name, losses)
 
 

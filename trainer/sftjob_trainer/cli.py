@@ -97,13 +97,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg) -> int:
     from . import dist as dist_utils
+    from .cpu_blas import dispatch_by_instruction_set
     from .early_stop import stopped_early
     from .train import Preempted, StopFlag, Trainer
 
     stop = StopFlag()
     stop.install()
     t0 = time.time()
+    # Before any matrix product: oneMKL chooses its kernels at the first one (cpu_blas.py).
+    mkl = dispatch_by_instruction_set(cfg.trainer.cpu_mkl_dispatch)
     world = dist_utils.init_world()
+    if world.rank == 0:
+        log.info(mkl)
     trainer = None
     succeeded = False
     try:
