@@ -62,7 +62,7 @@ if sys.argv[2] == "late":
     a @ b
 line = dispatch_by_instruction_set(sys.argv[1])
 product = a @ b
-answer = getattr(ctypes.CDLL(_loaded_library()), FUNCTION)()
+answer = getattr(ctypes.CDLL(_loaded_library(open("/proc/self/maps"))), FUNCTION)()
 print(json.dumps({"line": line, "answer": answer, "product": product.flatten()[:4096].tolist()}))
 """
 

@@ -93,13 +93,9 @@ def writable(address: int, maps: Iterable[str]) -> bool:
     return False
 
 
-def _loaded_library() -> str | None:
-    try:
-        with open("/proc/self/maps") as fh:
-            return next((line.split()[5] for line in fh
-                         if len(line.split()) >= 6 and line.split()[5].endswith(LIBRARY)), None)
-    except OSError:
-        return None
+def _loaded_library(maps: Iterable[str]) -> str | None:
+    return next((fields[5] for fields in map(str.split, maps) if len(fields) >= 6 and fields[5].endswith(LIBRARY)),
+                None)
 
 
 def dispatch_by_instruction_set(setting: str = "instruction_set") -> str:
@@ -108,7 +104,12 @@ def dispatch_by_instruction_set(setting: str = "instruction_set") -> str:
     head = "oneMKL GEMM kernels"
     if reason := why_not(setting, read_cpu()):
         return f"{head}: as oneMKL chooses ({reason})"
-    path = _loaded_library()
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = fh.readlines()
+    except OSError:
+        maps = []
+    path = _loaded_library(maps)
     if path is None:
         return f"{head}: as oneMKL chooses ({LIBRARY} is not loaded)"
     try:
@@ -120,9 +121,8 @@ def dispatch_by_instruction_set(setting: str = "instruction_set") -> str:
     offset = cached_answer_offset(ctypes.string_at(function, CODE_LEN))
     if offset is None:
         return f"{head}: as oneMKL chooses ({FUNCTION}'s code is not the sequence this was written for)"
-    with open("/proc/self/maps") as fh:
-        if not writable(function + offset, fh):
-            return f"{head}: as oneMKL chooses ({FUNCTION}'s cached answer is not in the library's data)"
+    if not writable(function + offset, maps):
+        return f"{head}: as oneMKL chooses ({FUNCTION}'s cached answer is not in the library's data)"
     answer = ctypes.c_int.from_address(function + offset)
     if answer.value == 1:
         return f"{head}: by instruction set (oneMKL already treats this CPU as Intel's)"

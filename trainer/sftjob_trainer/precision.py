@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_blas import read_cpu
+
 log = logging.getLogger(__name__)
 
 BF16 = torch.bfloat16
@@ -39,9 +41,8 @@ BF16 = torch.bfloat16
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16: the CPU has bf16 dot-product instructions."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
+    flags = read_cpu().flags
+    if not flags:
         return True  # unknown (not Linux): keep oneDNN's native path
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
