@@ -1,14 +1,21 @@
-"""Two measurements behind bench/README.md's "Profile by op" (issue 30), side by side in one run.
+"""Three measurements behind bench/README.md's "Profile by op" (issue 30), side by side in one run.
 
 1. Attention kernels: torch's CPU flash sdpa against the math path (one [s, s] product each
-   way), causal forward + backward of one sequence, at lengths 64...2000.
+   way), causal forward + backward of one sequence, at lengths 64...2000, and against a lower
+   bound for any kernel on this CPU: its products (the causal half of QKᵀ and PV forward, and
+   backward QKᵀ again, dV, dP, dQ, dK: 7·heads·s²·head_dim FLOPs) at this CPU's measured product
+   rate (a 2048³ fp32 product) plus two exponentials per unmasked score (forward, and backward's
+   recomputed softmax) at torch's measured exp rate; the softmax's other passes are left out.
 2. A packed row's attention: one causal sdpa call per sample (what our trainer runs on CPU)
    against one batched call over the samples padded to the longest, for many short samples.
 3. A micro-batch's fixed cost: a forward + backward of our trainer's model (the loss head,
    varlen attention) on a packed row of 8 tokens against rows of ~250-token samples; the
    8-token pass is almost all per-micro-batch work (every weight's gradient written in full).
 
-    python -m bench.kernels [--work .bench] [--model DIR]
+    python -m bench.kernels [--work .bench] [--model DIR] [--cpu-mkl-dispatch instruction_set|vendor]
+
+Its products (the math path's, the flash kernel's blocks, the model's) run oneMKL's kernels as the
+trainer picks them (`trainer.cpu_mkl_dispatch`, chosen before the first product).
 """
 from __future__ import annotations
 
@@ -35,7 +42,12 @@ def attention(heads: int = 6, head_dim: int = 64) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    print("| length | flash ms | math ms | math ÷ flash | flash GFLOP/s |\n|---|---|---|---|---|")
+    a, b, x = torch.randn(2048, 2048), torch.randn(2048, 2048), torch.randn(2048, 1024)
+    gemm_gflops = 2 * 2048 ** 3 / min(timed(lambda: a @ b, 3) for _ in range(3)) / 1e6
+    exp_ns = min(timed(lambda: torch.exp(x), 20) for _ in range(3)) * 1e6 / x.numel()
+    print(f"bound's rates: products {gemm_gflops:.0f} GFLOP/s, exp {exp_ns:.2f} ns per element")
+    print("| length | flash ms | math ms | math ÷ flash | flash GFLOP/s | bound ms | flash ÷ bound |\n"
+          "|---|---|---|---|---|---|---|")
     for s in (64, 128, 250, 500, 1000, 2000):
         q, k, v = (torch.randn(1, heads, s, head_dim, requires_grad=True) for _ in range(3))
 
@@ -47,8 +59,9 @@ def attention(heads: int = 6, head_dim: int = 64) -> None:
             with sdpa_kernel(backend):
                 ms[name] = timed(step, max(3, int(2e6 / (s * s))))
         flops = 3 * 2 * heads * s * s * head_dim   # causal: half of QK^T and PV forward, 2x that backward
+        bound = 7 * heads * s * s * head_dim / gemm_gflops / 1e6 + 2 * heads * s * s / 2 * exp_ns / 1e6
         print(f"| {s} | {ms['flash']:.2f} | {ms['math']:.2f} | {ms['math'] / ms['flash']:.2f} "
-              f"| {flops / ms['flash'] / 1e6:.0f} |")
+              f"| {flops / ms['flash'] / 1e6:.0f} | {bound:.2f} | {ms['flash'] / bound:.2f} |")
 
 
 def packed_row_case(lens: list[int], cap: int, heads: int, kv_heads: int, head_dim: int) -> tuple[float, float]:
@@ -114,7 +127,13 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / ".bench", help="bench.sweep's WORK directory")
     ap.add_argument("--model", type=Path, default=None,
                     help="a model our trainer loads (default: the one bench.sweep made for length 512 under WORK)")
+    ap.add_argument("--cpu-mkl-dispatch", default="instruction_set", choices=["instruction_set", "vendor"],
+                    help="trainer.cpu_mkl_dispatch: oneMKL's kernels on an AMD CPU, as the trainer picks them")
     args = ap.parse_args()
+    import torch  # noqa: F401  (loads libtorch_cpu.so, whose oneMKL the choice is written into)
+
+    from sftjob_trainer.cpu_blas import dispatch_by_instruction_set
+    print(dispatch_by_instruction_set(args.cpu_mkl_dispatch))  # as the trainer does: before any product
     model = args.model
     if model is None:
         from bench.sweep import made_inputs
