@@ -97,6 +97,33 @@ def test_when_bf16_gemms_are_widened(monkeypatch, device, prec, mode, native, wa
     assert precision.use_widened_bf16(torch.device(device), prec, mode) is want
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("cpuinfo", "want"), [
+    ("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 fma avx512f\n", False),
+    ("vendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n", True),
+    ("vendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 amx_bf16 amx_tile\n", True),
+    ("processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\n", False),  # read, no x86 flags
+    (None, True),   # no /proc/cpuinfo (not Linux): unknown, oneDNN's native path kept
+])
+def test_native_bf16_is_read_from_the_cpu_flags(monkeypatch, tmp_path, cpuinfo, want):
+    import builtins
+
+    from sftjob_trainer import cpu_blas
+
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path != "/proc/cpuinfo":
+            return real_open(path, *args, **kwargs)
+        if cpuinfo is None:
+            raise FileNotFoundError(path)
+        (tmp_path / "cpuinfo").write_text(cpuinfo)
+        return real_open(tmp_path / "cpuinfo", *args, **kwargs)
+
+    monkeypatch.setattr(cpu_blas, "open", fake_open, raising=False)
+    assert precision.cpu_has_native_bf16.__wrapped__() is want
+
+
 def _model(assets, widen: bool, lora: bool = False, ckpt: bool = False):
     from sftjob_trainer.dist import World
     from sftjob_trainer.model import build_model

@@ -39,7 +39,8 @@ CODE_LEN = len(_LOAD) + 4 + len(_RETURN_IF_CACHED)
 class CpuInfo:
     machine: str
     vendor: str
-    flags: frozenset[str]
+    flags: frozenset[str]   # x86 flags; empty where /proc/cpuinfo has none (other architectures)
+    known: bool = True      # False: /proc/cpuinfo could not be read (not Linux)
 
 
 def read_cpu() -> CpuInfo:
@@ -56,7 +57,7 @@ def read_cpu() -> CpuInfo:
                 if vendor and flags:
                     break
     except OSError:
-        pass
+        return CpuInfo(platform.machine(), "", flags, known=False)
     return CpuInfo(platform.machine(), vendor, flags)
 
 

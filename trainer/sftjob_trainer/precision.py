@@ -41,10 +41,10 @@ BF16 = torch.bfloat16
 @functools.cache
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX-BF16: the CPU has bf16 dot-product instructions."""
-    flags = read_cpu().flags
-    if not flags:
+    cpu = read_cpu()
+    if not cpu.known:
         return True  # unknown (not Linux): keep oneDNN's native path
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu.flags)
 
 
 def use_widened_bf16(device: torch.device, precision: str, cpu_bf16_gemm: str) -> bool:
