@@ -23,6 +23,21 @@ MODEL_CONFIG = BENCH_DIR / "model_config.json"
 PAD_ID = 0  # never used by a real token (see make_data.py)
 
 
+def add_mkl_dispatch_option(ap, default: str = "instruction_set", who: str = "as our trainer picks them") -> None:
+    """``--cpu-mkl-dispatch``: trainer.cpu_mkl_dispatch for a bench tool's own products."""
+    ap.add_argument("--cpu-mkl-dispatch", choices=["instruction_set", "vendor"], default=default,
+                    help=f"how oneMKL picks its kernels on an AMD CPU (trainer.cpu_mkl_dispatch, "
+                    f"sftjob_trainer.cpu_blas); default {default}: {who}")
+
+
+def pick_mkl_kernels(setting: str) -> None:
+    """Apply trainer.cpu_mkl_dispatch in this process as the trainer does, before any product, and
+    print the trainer's line saying which kernels oneMKL runs."""
+    from sftjob_trainer.cpu_blas import dispatch_by_instruction_set
+
+    print(dispatch_by_instruction_set(setting), flush=True)
+
+
 def load_model_config_dict() -> dict:
     with open(MODEL_CONFIG) as f:
         return json.load(f)

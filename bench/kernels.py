@@ -23,6 +23,8 @@ import argparse
 import time
 from pathlib import Path
 
+from bench.common import add_mkl_dispatch_option, pick_mkl_kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -127,13 +129,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / ".bench", help="bench.sweep's WORK directory")
     ap.add_argument("--model", type=Path, default=None,
                     help="a model our trainer loads (default: the one bench.sweep made for length 512 under WORK)")
-    ap.add_argument("--cpu-mkl-dispatch", default="instruction_set", choices=["instruction_set", "vendor"],
-                    help="trainer.cpu_mkl_dispatch: oneMKL's kernels on an AMD CPU, as the trainer picks them")
+    add_mkl_dispatch_option(ap)
     args = ap.parse_args()
-    import torch  # noqa: F401  (loads libtorch_cpu.so, whose oneMKL the choice is written into)
-
-    from sftjob_trainer.cpu_blas import dispatch_by_instruction_set
-    print(dispatch_by_instruction_set(args.cpu_mkl_dispatch))  # as the trainer does: before any product
+    pick_mkl_kernels(args.cpu_mkl_dispatch)
     model = args.model
     if model is None:
         from bench.sweep import made_inputs

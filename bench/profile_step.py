@@ -27,6 +27,8 @@ import collections
 import time
 from pathlib import Path
 
+from bench.common import add_mkl_dispatch_option, pick_mkl_kernels
+
 ROOT = Path(__file__).resolve().parent.parent
 
 GROUPS = [
@@ -41,8 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--cpu-bf16-gemm", default="auto", choices=["auto", "native", "widened"])
-    ap.add_argument("--cpu-mkl-dispatch", default="instruction_set", choices=["instruction_set", "vendor"],
-                    help="trainer.cpu_mkl_dispatch: oneMKL's kernels on an AMD CPU, as the trainer picks them")
+    add_mkl_dispatch_option(ap)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench")
     ap.add_argument("--rows", type=int, default=20)
@@ -64,8 +65,7 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from sftjob_trainer.cpu_blas import dispatch_by_instruction_set
-    print(dispatch_by_instruction_set(args.cpu_mkl_dispatch))  # as the trainer does: before any product
+    pick_mkl_kernels(args.cpu_mkl_dispatch)
     from transformers import AutoTokenizer
 
     from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig

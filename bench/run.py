@@ -50,7 +50,7 @@ OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": 
 PEERS = {
     "trl_padded": ("bench.peer_trl", ["--mode", "padded"]),
     "trl_packed": ("bench.peer_trl", ["--mode", "packed"]),
-    "trl_packed_mkl": ("bench.peer_trl", ["--mode", "packed", "--mkl-dispatch", "instruction_set"]),
+    "trl_packed_mkl": ("bench.peer_trl", ["--mode", "packed", "--cpu-mkl-dispatch", "instruction_set"]),
     "trl_padfree": ("bench.peer_trl", ["--mode", "padfree"]),
     "plain_padfree": ("bench.plain_loop", ["--mode", "padfree"]),
     "plain_padded": ("bench.plain_loop", ["--mode", "padded"]),

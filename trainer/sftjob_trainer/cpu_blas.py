@@ -101,10 +101,11 @@ def _loaded_library(maps: Iterable[str]) -> str | None:
 
 def dispatch_by_instruction_set(setting: str = "instruction_set") -> str:
     """Apply ``trainer.cpu_mkl_dispatch`` in this process; the line to log. Call before the
-    process's first matrix product (torch must be imported: it loads the library)."""
+    process's first matrix product."""
     head = "oneMKL GEMM kernels"
     if reason := why_not(setting, read_cpu()):
         return f"{head}: as oneMKL chooses ({reason})"
+    import torch  # noqa: F401  (loads libtorch_cpu.so, where oneMKL's answer is written)
     try:
         with open("/proc/self/maps") as fh:
             maps = fh.readlines()
