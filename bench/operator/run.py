@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from hack import localcluster
-from hack.localcluster.kube import ApiError, Kube
+from hack.localcluster.kube import ApiError, Kube, wait_crds_established
 
 from bench.operator.harness import (JOBS, KWOK_POD_CIDR, METRICS_PORT, REPO, BlackHole, Operator, PodWatch,
                                     job_manifest, probe, syn_sent, wait_running)
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     kubectl = str(localcluster.bin_dir("k8s") / "kubectl")
     subprocess.run([kubectl, "apply", "--server-side", "--force-conflicts", "-f", str(CRD)], env=env, check=True,
                    capture_output=True)
-    subprocess.run([kubectl, "wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s"],
-                   env=env, check=True, capture_output=True)
+    wait_crds_established(kube, "sftjobs.sftjob.io")
     t = time.time()
     nodes = localcluster.kwok_up(nodes=args.kwok_nodes, cfg=cfg, prefix=NODE_PREFIX)
     say(f"{len(nodes)} kwok nodes ready ({time.time() - t:.0f}s)")

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from hack import localcluster
-from hack.localcluster.kube import ApiError, Kube, ensure_namespace
+from hack.localcluster.kube import ApiError, Kube, ensure_namespace, wait_crds_established
 from hack.localcluster.logtap import LogTap
 
 from .faults import Injector, wait_for
@@ -83,7 +83,7 @@ def install_operator(ctx: Ctx) -> None:
     for ns in (a.system_namespace, a.namespace):
         ensure_namespace(ctx.kube, ns)
     ctx.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    ctx.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
+    wait_crds_established(ctx.kube, "sftjobs.sftjob.io")
     existed = ctx.helm("status", a.release, "-n", a.system_namespace, check=False).returncode == 0
     sets = [f"watchNamespaces={{{a.namespace}}}", "crds.enabled=false", "operator.logFormat=plain"]
     if a.operator_replicas:

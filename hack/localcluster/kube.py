@@ -144,3 +144,30 @@ def ensure_namespace(kube: Kube, name: str, labels: dict[str, str] | None = None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no default ServiceAccount in namespace {name} after {timeout:.0f} s") from None
             time.sleep(0.5)
+
+
+def wait_crds_established(kube: Kube, *names: str, timeout: float = 60.0) -> None:
+    """Wait until each CustomResourceDefinition in `names` (e.g. "sftjobs.sftjob.io") reports
+    condition Established=True. `kubectl wait --for=condition=Established` errors instead of
+    waiting while a CRD created a moment ago still has no conditions at all (kubectl 1.36:
+    ".status.conditions accessor error: <nil>"), so this polls the API. Raises TimeoutError
+    naming the CRDs that are not established within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    pending = list(names)
+    while pending:
+        still = []
+        for name in pending:
+            try:
+                crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+            except ApiError as e:
+                if e.status != 404:
+                    raise
+                crd = {}
+            conditions = (crd.get("status") or {}).get("conditions") or []
+            if not any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
+                still.append(name)
+        pending = still
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CRDs not Established after {timeout:.0f} s: {', '.join(pending)}")
+            time.sleep(0.2)

@@ -27,7 +27,7 @@ from pathlib import Path
 from . import cluster, proc
 from . import config as C
 from .components import kube_bin, start
-from .kube import ApiError, Kube
+from .kube import ApiError, Kube, wait_crds_established
 from .proc import log, sh
 
 NAMESPACE_LABEL = "localcluster.sftjob.io/kueue"
@@ -152,10 +152,9 @@ def kueue_up(cfg: C.ClusterConfig | None = None, timeout: float = 180) -> C.Clus
             _certs(cfg)
             conf = _config(cfg)
             _kubectl(cfg, "apply", "--server-side", "--force-conflicts", "-f", str(_home() / "config" / "crd"))
-            _kubectl(cfg, "wait", "--for=condition=Established", "--timeout=60s",
-                     *[f"crd/{p.name.split('_', 1)[1][:-len('.yaml')]}.{p.name.split('_', 1)[0]}"
-                       for p in sorted((_home() / "config" / "crd").glob("*.yaml"))])
             kube = Kube.from_state(cfg)
+            wait_crds_established(kube, *[f"{p.name.split('_', 1)[1][:-len('.yaml')]}.{p.name.split('_', 1)[0]}"
+                                          for p in sorted((_home() / "config" / "crd").glob("*.yaml"))])
             try:
                 kube.create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
                                                    "metadata": {"name": "kueue-system"}})

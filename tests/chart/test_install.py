@@ -28,7 +28,7 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from hack.localcluster.kube import RESTRICTED
+from hack.localcluster.kube import RESTRICTED, wait_crds_established
 from sftjob_operator.kube import NODE_LEASE_NAMESPACE
 from tests.fixtures.cluster import wait_for
 
@@ -70,7 +70,7 @@ def shared_crd(cluster):
     # replace, not apply: fields another manager (helm) added must go too.
     meta = {k: v for k, v in before["metadata"].items() if k in ("name", "labels", "annotations")}
     cluster.kubectl("replace", "-f", "-", input=json.dumps({**before, "metadata": meta, "status": None}))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    wait_crds_established(cluster.kube, CRD_NAME)
 
 
 def adopt_crd(cluster, release: str, namespace: str) -> None:

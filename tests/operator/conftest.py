@@ -10,12 +10,13 @@ import pytest
 
 from .cluster_kit import CRD, REPO
 from hack.localcluster.operator_proc import OperatorProcess
+from hack.localcluster.kube import wait_crds_established
 
 
 @pytest.fixture(scope="module")
 def crd(cluster):
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "crd/sftjobs.sftjob.io", "--timeout=60s")
+    wait_crds_established(cluster.kube, "sftjobs.sftjob.io")
 
 
 @pytest.fixture(scope="module")
