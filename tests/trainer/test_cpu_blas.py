@@ -54,13 +54,17 @@ def test_only_the_librarys_writable_mappings_count():
 
 PROBE = """
 import ctypes, json, sys
-import torch
 from sftjob_trainer.cpu_blas import FUNCTION, _loaded_library, dispatch_by_instruction_set
+if sys.argv[2] == "unloaded":   # torch not imported yet: the call must load it itself
+    assert "torch" not in sys.modules
+    line = dispatch_by_instruction_set(sys.argv[1])
+import torch
 torch.manual_seed(0)
 a, b = torch.randn(256, 384), torch.randn(384, 320)
 if sys.argv[2] == "late":
     a @ b
-line = dispatch_by_instruction_set(sys.argv[1])
+if sys.argv[2] != "unloaded":
+    line = dispatch_by_instruction_set(sys.argv[1])
 product = a @ b
 answer = getattr(ctypes.CDLL(_loaded_library(open("/proc/self/maps"))), FUNCTION)()
 print(json.dumps({"line": line, "answer": answer, "product": product.flatten()[:4096].tolist()}))
@@ -85,6 +89,9 @@ def test_this_cpu_gets_the_kernels_its_instruction_set_allows():
         # Too late once oneMKL has chosen: left alone, said so.
         late = probe("instruction_set", "late")
         assert "a product ran first" in late["line"] and late["answer"] == 0
+        # A caller that has not imported torch yet gets the same choice (bench.kernels is one).
+        unloaded = probe("instruction_set", "unloaded")
+        assert unloaded["line"] == chosen["line"] and unloaded["answer"] == 1
     else:
         assert reason in chosen["line"]
     assert torch.allclose(torch.tensor(chosen["product"]), torch.tensor(own["product"]), rtol=1e-5, atol=1e-4)
