@@ -38,9 +38,9 @@ from typing import Any
 from hack import localcluster
 from sftjob_contract import layout
 
+from hack.localcluster.kube import wait_for
 from hack.localcluster.logtap import LogTap
 
-from .faults import wait_for
 from .gap import PodClock, breakdown, describe, marks
 from .harness import JOBS, Ctx, manifest, say, spec_hash, wait_finished
 from .monitor import split_uri

@@ -38,7 +38,7 @@ from hack import localcluster
 from hack.localcluster import components, proc
 from hack.localcluster import realnodes
 from hack.localcluster.credentials import ensure_secrets
-from hack.localcluster.kube import ApiError
+from hack.localcluster.kube import ApiError, wait_for
 
 from .s3proxy import ThrottlingProxy
 
@@ -92,20 +92,6 @@ class Fault:
     @property
     def expected(self) -> str:
         return KINDS[self.kind][1]
-
-
-def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
-    deadline = time.time() + timeout
-    last: Exception | None = None
-    while time.time() < deadline:
-        try:
-            v = pred()
-            if v:
-                return v
-        except Exception as e:  # noqa: BLE001 - transient API errors while things restart
-            last = e
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" ({last})" if last else ""))
 
 
 # ------------------------------------------------------------------------------ processes of a pod

@@ -17,10 +17,10 @@ from typing import Any
 import yaml
 
 from hack import localcluster
-from hack.localcluster.kube import ApiError, Kube, ensure_namespace, wait_crds_established
+from hack.localcluster.kube import ApiError, Kube, ensure_namespace, wait_crds_established, wait_for
 from hack.localcluster.logtap import LogTap
 
-from .faults import Injector, wait_for
+from .faults import Injector
 from .s3proxy import ThrottlingProxy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -36,9 +36,9 @@ from typing import Any
 
 import yaml
 
+from hack.localcluster.kube import wait_for
 from hack.localcluster.logtap import LogTap
 
-from .faults import wait_for
 from .gap import SEGMENTS, PodClock, breakdown, describe, log_lines, marks
 from .harness import EXAMPLE, JOBS, REPO, Ctx, delete_jobs, install_operator, make_assets, say
 

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hack.localcluster.kube import ApiError
+from hack.localcluster.kube import ApiError, wait_for
 from hack.localcluster.logtap import LogTap
 
-from .faults import BEYOND_DEADLINE_S, KINDS, OPT_IN, THROTTLING, Fault, Injector, wait_for
+from .faults import BEYOND_DEADLINE_S, KINDS, OPT_IN, THROTTLING, Fault, Injector
 from .harness import (JOBS, REPO, Ctx, delete_jobs, install_operator, make_assets, manifest, say, spec_hash,
                       wait_finished)
 from .elastic import run_elastic

@@ -7,9 +7,10 @@ import random
 import time
 import urllib.request
 
+from hack.localcluster.kube import wait_for
 from sftjob_contract.metrics import STEP
 
-from .faults import AT_COMMIT, BEYOND_DEADLINE_S, RESTARTING, Fault, Injector, minio_live, minio_start, wait_for
+from .faults import AT_COMMIT, BEYOND_DEADLINE_S, RESTARTING, Fault, Injector, minio_live, minio_start
 from .harness import METRICS_PORT, Ctx, restarts, say
 from .monitor import Monitor
 

@@ -5,13 +5,14 @@ needs nothing beyond python3.
 """
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import time
 import ssl
 import urllib.parse
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 class ApiError(Exception):
@@ -135,39 +136,42 @@ def ensure_namespace(kube: Kube, name: str, labels: dict[str, str] | None = None
         if e.status != 409:
             raise
         kube.merge_patch(f"/api/v1/namespaces/{name}", {"metadata": {"labels": labels}})
+    wait_for(lambda: kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"), timeout,
+             f"the default ServiceAccount of namespace {name}", interval=0.5)
+
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.3) -> Any:
+    """Call `pred` until it returns something truthy, and return that. An exception from `pred`
+    counts as "not yet" (the API server, nodes and pods restart under tests and chaos runs).
+    Raises TimeoutError naming `what`, and the last exception, after `timeout` seconds."""
     deadline = time.monotonic() + timeout
+    last: Exception | None = None
     while True:
         try:
-            kube.get(f"/api/v1/namespaces/{name}/serviceaccounts/default")
-            return
-        except ApiError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no default ServiceAccount in namespace {name} after {timeout:.0f} s") from None
-            time.sleep(0.5)
+            if value := pred():
+                return value
+        except Exception as e:  # noqa: BLE001 - transient API errors while things restart
+            last = e
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}" + (f" ({last})" if last else ""))
+        time.sleep(interval)
+
+
+def crd_established(kube: Kube, name: str) -> bool:
+    """Whether CustomResourceDefinition `name` (e.g. "sftjobs.sftjob.io") has condition
+    Established=True, i.e. its kind can be used."""
+    crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+    return any(c.get("type") == "Established" and c.get("status") == "True"
+               for c in (crd.get("status") or {}).get("conditions") or [])
 
 
 def wait_crds_established(kube: Kube, *names: str, timeout: float = 60.0) -> None:
-    """Wait until each CustomResourceDefinition in `names` (e.g. "sftjobs.sftjob.io") reports
-    condition Established=True. `kubectl wait --for=condition=Established` errors instead of
-    waiting while a CRD created a moment ago still has no conditions at all (kubectl 1.36:
-    ".status.conditions accessor error: <nil>"), so this polls the API. Raises TimeoutError
-    naming the CRDs that are not established within `timeout` seconds."""
+    """Wait until each CRD in `names` is Established, all within `timeout` seconds; the
+    TimeoutError names the first that is not. `kubectl wait --for=condition=Established` errors
+    instead of waiting while a CRD created a moment ago has no conditions yet (kubectl 1.36:
+    ".status.conditions accessor error: <nil>"), so every install path waits with this."""
     deadline = time.monotonic() + timeout
-    pending = list(names)
-    while pending:
-        still = []
-        for name in pending:
-            try:
-                crd = kube.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
-            except ApiError as e:
-                if e.status != 404:
-                    raise
-                crd = {}
-            conditions = (crd.get("status") or {}).get("conditions") or []
-            if not any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions):
-                still.append(name)
-        pending = still
-        if pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"CRDs not Established after {timeout:.0f} s: {', '.join(pending)}")
-            time.sleep(0.2)
+    for name in names:
+        wait_for(functools.partial(crd_established, kube, name), deadline - time.monotonic(),
+                 f"CRD {name} to be Established", interval=0.2)
