@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from .cluster_kit import CRD, REPO
-from hack.localcluster.operator_proc import OperatorProcess
 from hack.localcluster.kube import wait_crds_established
+from hack.localcluster.operator_proc import OperatorProcess
 
 
 @pytest.fixture(scope="module")
