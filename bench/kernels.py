@@ -1,18 +1,21 @@
 """Three measurements behind bench/README.md's "Profile by op" (issue 30), side by side in one run.
 
 1. Attention kernels: torch's CPU flash sdpa against the math path (one [s, s] product each
-   way), causal forward + backward of one sequence, at lengths 64...2000, and against a lower
+   way) and sftjob's own kernel (trainer.cpu_attention, where this CPU runs it), causal
+   forward + backward of one sequence, at lengths 64...2000, and against a lower
    bound for any kernel on this CPU: its products (the causal half of QKᵀ and PV forward, and
    backward QKᵀ again, dV, dP, dQ, dK: 7·heads·s²·head_dim FLOPs) at this CPU's measured product
    rate (a 2048³ fp32 product) plus two exponentials per unmasked score (forward, and backward's
    recomputed softmax) at torch's measured exp rate; the softmax's other passes are left out.
-2. A packed row's attention: one causal sdpa call per sample (what our trainer runs on CPU)
-   against one batched call over the samples padded to the longest, for many short samples.
+2. A packed row's attention: one causal sdpa call per sample (what our trainer ran on CPU before
+   its own kernel) against one batched call over the samples padded to the longest, and against
+   sftjob's kernel (one call for the row), for many short samples and for the bench's lengths.
 3. A micro-batch's fixed cost: a forward + backward of our trainer's model (the loss head,
    varlen attention) on a packed row of 8 tokens against rows of ~250-token samples; the
    8-token pass is almost all per-micro-batch work (every weight's gradient written in full).
 
     python -m bench.kernels [--work .bench] [--model DIR] [--cpu-mkl-dispatch instruction_set|vendor]
+                            [--cpu-attention auto|sdpa]
 
 Its products (the math path's, the flash kernel's blocks, the model's) run oneMKL's kernels as the
 trainer picks them (`trainer.cpu_mkl_dispatch`, chosen before the first product).
@@ -48,28 +51,41 @@ def attention(heads: int = 6, head_dim: int = 64) -> None:
     gemm_gflops = 2 * 2048 ** 3 / min(timed(lambda: a @ b, 3) for _ in range(3)) / 1e6
     exp_ns = min(timed(lambda: torch.exp(x), 20) for _ in range(3)) * 1e6 / x.numel()
     print(f"bound's rates: products {gemm_gflops:.0f} GFLOP/s, exp {exp_ns:.2f} ns per element")
-    print("| length | flash ms | math ms | math ÷ flash | flash GFLOP/s | bound ms | flash ÷ bound |\n"
-          "|---|---|---|---|---|---|---|")
+    from sftjob_trainer import cpu_attention
+
+    ours = cpu_attention.chosen()
+    print("| length | flash ms | math ms | math ÷ flash | flash GFLOP/s | bound ms | flash ÷ bound "
+          "| sftjob ms | flash ÷ sftjob | sftjob GFLOP/s | sftjob ÷ bound |\n" + "|---" * 11 + "|")
     for s in (64, 128, 250, 500, 1000, 2000):
         q, k, v = (torch.randn(1, heads, s, head_dim, requires_grad=True) for _ in range(3))
 
         def step(q=q, k=k, v=v):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
+        def sftjob(q=q, k=k, v=v, s=s):
+            cpu_attention.packed_causal_attention(q, k, v, [0, s]).sum().backward()
+
+        reps = max(3, int(2e6 / (s * s)))
         ms = {}
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("math", SDPBackend.MATH)):
             with sdpa_kernel(backend):
-                ms[name] = timed(step, max(3, int(2e6 / (s * s))))
+                ms[name] = timed(step, reps)
+        ms["sftjob"] = timed(sftjob, reps) if ours else float("nan")
         flops = 3 * 2 * heads * s * s * head_dim   # causal: half of QK^T and PV forward, 2x that backward
         bound = 7 * heads * s * s * head_dim / gemm_gflops / 1e6 + 2 * heads * s * s / 2 * exp_ns / 1e6
         print(f"| {s} | {ms['flash']:.2f} | {ms['math']:.2f} | {ms['math'] / ms['flash']:.2f} "
-              f"| {flops / ms['flash'] / 1e6:.0f} | {bound:.2f} | {ms['flash'] / bound:.2f} |")
+              f"| {flops / ms['flash'] / 1e6:.0f} | {bound:.2f} | {ms['flash'] / bound:.2f} | {ms['sftjob']:.2f} "
+              f"| {ms['flash'] / ms['sftjob']:.2f} | {flops / ms['sftjob'] / 1e6:.0f} | {ms['sftjob'] / bound:.2f} |")
 
 
-def packed_row_case(lens: list[int], cap: int, heads: int, kv_heads: int, head_dim: int) -> tuple[float, float]:
-    """(per-sample calls, one padded call) in ms, forward + backward, for samples of ``lens`` tokens."""
+def packed_row_case(lens: list[int], cap: int, heads: int, kv_heads: int,
+                    head_dim: int) -> tuple[float, float, float]:
+    """(per-sample calls, one padded call, sftjob's kernel) in ms, forward + backward, for samples
+    of ``lens`` tokens (the kernel's nan where it was not chosen)."""
     import torch
     import torch.nn.functional as F
+
+    from sftjob_trainer import cpu_attention
 
     n = len(lens)
     q = torch.randn(1, heads, sum(lens), head_dim, requires_grad=True)
@@ -89,19 +105,23 @@ def packed_row_case(lens: list[int], cap: int, heads: int, kv_heads: int, head_d
         out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), is_causal=True, enable_gqa=True)
         out.transpose(0, 1).reshape(heads, n * cap, head_dim).index_select(1, rows).sum().backward()
 
-    return timed(per_sample, 5), timed(padded, 5)
+    def sftjob():
+        cpu_attention.packed_causal_attention(q, k, v, [0, *torch.tensor(lens).cumsum(0).tolist()]).sum().backward()
+
+    return timed(per_sample, 5), timed(padded, 5), timed(sftjob, 5) if cpu_attention.chosen() else float("nan")
 
 
 def packed_row_attention(heads: int = 6, kv_heads: int = 2, head_dim: int = 64) -> None:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    print("| samples × max length | tokens | per-sample calls ms | one padded call ms | padded ÷ per-sample |\n"
-          "|---|---|---|---|---|")
-    for n, cap in ((128, 64), (64, 128), (16, 512)):
-        lens = torch.randint(cap // 4, cap + 1, (n,), generator=g).tolist()
-        a, b = packed_row_case(lens, cap, heads, kv_heads, head_dim)
-        print(f"| {n} × {cap} | {sum(lens)} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
+    print("| samples × max length | tokens | per-sample calls ms | one padded call ms | padded ÷ per-sample "
+          "| sftjob's kernel ms | per-sample ÷ sftjob |\n|---|---|---|---|---|---|---|")
+    bench_lens = torch.randint(84, 457, (8,), generator=g).tolist()   # the bench's lengths, 8 to a row
+    for n, cap, lens in ((128, 64, None), (64, 128, None), (16, 512, None), (8, 456, bench_lens)):
+        lens = lens or torch.randint(cap // 4, cap + 1, (n,), generator=g).tolist()
+        a, b, c = packed_row_case(lens, cap, heads, kv_heads, head_dim)
+        print(f"| {n} × {cap} | {sum(lens)} | {a:.1f} | {b:.1f} | {b / a:.2f} | {c:.1f} | {a / c:.2f} |")
 
 
 def micro_batch_cost(model_dir: Path) -> None:
@@ -130,14 +150,20 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None,
                     help="a model our trainer loads (default: the one bench.sweep made for length 512 under WORK)")
     add_mkl_dispatch_option(ap)
+    ap.add_argument("--cpu-attention", default="auto", choices=["auto", "sdpa"],
+                    help="trainer.cpu_attention for the model's pass (sftjob's kernel is timed beside sdpa "
+                    "wherever this CPU runs it)")
     args = ap.parse_args()
     pick_mkl_kernels(args.cpu_mkl_dispatch)
+    from sftjob_trainer import cpu_attention
+    print(cpu_attention.choose("auto"))
     model = args.model
     if model is None:
         from bench.sweep import made_inputs
         model = made_inputs(args.work, 512) / "model"
     attention()
     packed_row_attention()
+    print(cpu_attention.choose(args.cpu_attention))
     micro_batch_cost(model)
 
 

@@ -9,6 +9,7 @@ CPU time plus a coarse breakdown (matmuls, attention, loss head, optimizer, the 
 Usage: python -m bench.profile_step [--precision fp32|bf16] [--cpu-bf16-gemm auto|native|widened]
                                     [--steps 2] [--work .bench] [--point NAME [--no-packing]]
                                     [--compile none|layers|mlp-norms] [--timed N] [--by-shape N]
+                                    [--cpu-attention auto|sdpa]
 
 It ends with the GEMMs' own rate and the bound they set: the tokens/s of a step in which
 every other operator took no time.
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 GROUPS = [
     ("matmul (linear layers, fwd+bwd)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
-    ("attention (sdpa kernels)", ("scaled_dot_product", "flash_attention")),
+    ("attention (sdpa kernels, sftjob's)", ("scaled_dot_product", "flash_attention", "sftjob::cpu_attention")),
     ("optimizer + clip", ("adam", "foreach", "norm")),
 ]
 PHASES = ("data", "forward+loss", "backward", "clip+adamw")
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--cpu-bf16-gemm", default="auto", choices=["auto", "native", "widened"])
     add_mkl_dispatch_option(ap)
+    ap.add_argument("--cpu-attention", default="auto", choices=["auto", "sdpa"],
+                    help="trainer.cpu_attention: sftjob's CPU attention kernel where it applies (auto, as the "
+                    "trainer) or torch's sdpa per sequence")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--work", type=Path, default=ROOT / ".bench")
     ap.add_argument("--rows", type=int, default=20)
@@ -66,6 +70,8 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     pick_mkl_kernels(args.cpu_mkl_dispatch)
+    from sftjob_trainer import cpu_attention
+    print(cpu_attention.choose(args.cpu_attention))
     from transformers import AutoTokenizer
 
     from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig, OptimConfig

@@ -12,6 +12,8 @@ spreads over all of them):
   ours_mkl_vendor  (opt-in) ours with trainer.cpu_mkl_dispatch=vendor: oneMKL's own kernel choice
                  on an AMD CPU (what every peer gets), to show what the trainer's choice is worth
   trl_packed_mkl (opt-in) trl_packed with oneMKL's kernels chosen as our trainer chooses them
+  ours_sdpa_attention  (opt-in) ours with trainer.cpu_attention=sdpa: torch's sdpa per sequence
+                 instead of sftjob's CPU attention kernel, to show what the kernel is worth
   ours_baseline  (opt-in, with --baseline-trainer DIR) ours from another checkout's trainer/
                  directory (and its contract/ beside it), e.g.
                  `git archive main trainer contract | tar -x -C /tmp/base`: before/after numbers
@@ -45,7 +47,8 @@ CONTENDERS = ["ours", "trl_padded", "trl_packed", "plain_padfree"]
 # trainer (--baseline-trainer), told to pack (the default since issue 30; before it, padded), or
 # with --baseline-as-is run with that checkout's own defaults (what its user got).
 OURS = {"ours": [], "ours_compiled": ["trainer.compile=true"], "ours_baseline": [],
-        "ours_mkl_vendor": ["trainer.cpu_mkl_dispatch=vendor"]}
+        "ours_mkl_vendor": ["trainer.cpu_mkl_dispatch=vendor"],
+        "ours_sdpa_attention": ["trainer.cpu_attention=sdpa"]}
 # The other contenders: the bench module each runs (python -m, from the checkout's root) and its flags.
 PEERS = {
     "trl_padded": ("bench.peer_trl", ["--mode", "padded"]),
@@ -300,7 +303,7 @@ def table(results: list[dict], peak: dict) -> tuple[str, list[str]]:
             t = med("tokens_per_s", trl)
             checks.append(f"{precision}: ours ÷ TRL best (packed) = {o / t:.2f}× (need ≥ 1.30) "
                           f"{'PASS' if o >= 1.3 * t else 'FAIL'}")
-        for variant in ("ours_compiled", "ours_baseline", "ours_mkl_vendor"):
+        for variant in ("ours_compiled", "ours_baseline", "ours_mkl_vendor", "ours_sdpa_attention"):
             if (v := by.get((variant, precision))):
                 vs = med("tokens_per_s", v)
                 vs_trl = f", ÷ TRL packed = {vs / med('tokens_per_s', trl):.2f}×" if trl else ""

@@ -99,6 +99,8 @@ def stage_job(ctx: Ctx) -> dict:
             f"restarts: {r.get('preemptions', 0)} preemption(s), {r.get('failures', 0)} failure(s)")
     if resume is None and pre:
         ctx.summary["resume_line"] = preemption.resumed_line(ctx, pre)
+    if pre:  # which attention kernel the trainer image's rank 0 ran (trainer.cpu_attention)
+        ctx.summary["attention_line"] = preemption.trainer_log_line(ctx, pre["rank0"], "CPU attention:")
     _say_eta(ctx)
     prog_final = status(ctx.get_job()).get("progress") or {}
     out.say(f"goodput {prog_final.get('goodput')} (training time over wall time since creation), "

@@ -67,7 +67,12 @@ def resumed_line(ctx: Ctx, pre: dict) -> str | None:
         return None
     if uid == pre["rank0_uid"]:
         return None
-    for line in localcluster.pod_log(ns, pre["rank0"], "trainer", cfg=ctx.cfg).splitlines():
-        if "resumed from" in line:
-            return line[line.index("resumed from"):].strip()
+    return trainer_log_line(ctx, pre["rank0"], "resumed from")
+
+
+def trainer_log_line(ctx: Ctx, pod: str, marker: str) -> str | None:
+    """The first line of the pod's trainer log that holds marker, from the marker on."""
+    for line in localcluster.pod_log(ctx.args.namespace, pod, "trainer", cfg=ctx.cfg).splitlines():
+        if marker in line:
+            return line[line.index(marker):].strip()
     return None

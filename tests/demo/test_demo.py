@@ -120,6 +120,17 @@ def test_pods_run_the_locally_built_images_as_their_non_root_users(demo):
         assert pods[name]["uid"] == uid, pods[name]
         assert pods[name]["image"].endswith(built[name].ref.split("/", 1)[1]), (pods[name], built[name].ref)
         assert pods[name]["imageID"].split(":")[-1] == built[name].image_id.split(":")[-1], (pods[name], built[name])
+    # The trainer image carries sftjob's CPU attention kernel prebuilt (it has no C compiler to
+    # build one), and its rank 0 ran it where the CPU can (AVX2 and FMA: this project's machines).
+    from sftjob_trainer.cpu_attention import why_not
+    from sftjob_trainer.cpu_blas import read_cpu
+
+    line = demo["summary"].get("attention_line") or ""
+    reason = why_not(read_cpu())
+    if reason is None:
+        assert "sftjob's causal kernel" in line and "sftjob_trainer/libsftjob_cpu_attention.so" in line, line
+    else:
+        assert reason in line, line
 
 
 def test_exported_model_in_s3_loads(demo, cluster, tmp_path):

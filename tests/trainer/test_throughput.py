@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from sftjob_contract.config import DataConfig, LoraConfig, ModelConfig
 from sftjob_trainer.data import IGNORE, SampleBuilder, SFTDataset
+from sftjob_trainer.cpu_attention import why_not as why_not_attention
 from sftjob_trainer.cpu_blas import read_cpu, why_not
 from sftjob_trainer.batching import GlobalBatches, collate, logged_ids, rank_shares, split_to, token_groups
 
@@ -260,7 +261,8 @@ def test_on_a_cpu_the_default_budget_has_a_floor_set_by_the_model_width(assets, 
 def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_path):
     """Real trainer runs: same samples per step, so packed/token-budget losses equal the padded ones
     (and the allocator, tcmalloc or the C library's, changes none of them; oneMKL's kernels, as it
-    chooses them or by instruction set, change them only by fp32 rounding)."""
+    chooses them or by instruction set, and the attention kernel, sftjob's or torch's sdpa, change
+    them only by fp32 rounding)."""
     over = {"trainer.total_training_steps": 4, "data.micro_batch_size_per_gpu": 4, "data.shuffle": "false",
             "trainer.peak_tflops": 1.0}
     variants = {
@@ -269,6 +271,7 @@ def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_pa
         "budget": {"data.packing": "true", "data.max_tokens_per_micro_batch": 100},
         "packed, glibc": {"data.packing": "true"},
         "packed, mkl vendor": {"data.packing": "true", "trainer.cpu_mkl_dispatch": "vendor"},
+        "packed, torch attention": {"data.packing": "true", "trainer.cpu_attention": "sdpa"},
     }
     losses = {}
     for name, extra in variants.items():
@@ -293,9 +296,14 @@ def test_packing_and_token_budget_give_the_padded_per_step_losses(assets, tmp_pa
         said = "by this AMD CPU's instruction sets" if mkl is None else mkl
         assert sum("oneMKL GEMM kernels:" in line and said in line for line in res.output.splitlines()) == 1, \
             res.why()
+        # ... and which kernel runs the packed rows' attention (cpu_attention.py): sftjob's where
+        # the CPU can run it, unless the config says sdpa.
+        kernel = extra.get("trainer.cpu_attention", "auto") == "auto" and why_not_attention(read_cpu()) is None
+        said = "sftjob's causal kernel" if kernel else "torch's sdpa"
+        assert sum("CPU attention:" in line and said in line for line in res.output.splitlines()) == 1, res.why()
     assert len(losses["padded"]) == 4
     assert losses["packed, glibc"] == losses["packed"]
-    for name in ("packed", "budget", "packed, mkl vendor"):
+    for name in ("packed", "budget", "packed, mkl vendor", "packed, torch attention"):
         assert max(abs(a - b) for a, b in zip(losses["padded"], losses[name])) < 1e-4, (name, losses)
 
 

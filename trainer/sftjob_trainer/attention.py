@@ -9,6 +9,9 @@ cannot run: flash-attention only takes bf16/fp16 inputs on CUDA, so ``auto`` pic
 for a bf16 run on a GPU with flash-attn installed; everything else (fp32, CPU, no flash-attn)
 gets ``sdpa_varlen``. An explicit ``flash_attention_2`` with fp32 is refused when the config
 is validated (sftjob_contract.config), an explicit one without CUDA or flash-attn when the model is built.
+
+On a CPU, ``sdpa_varlen`` runs sftjob's own kernel for the whole row instead of torch's sdpa per
+sequence where ``trainer.cpu_attention`` chose it and it applies (cpu_attention.py).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
 from .errors import InvalidConfig
 from .precision import bf16_autocast_on, widened_sdpa
 
@@ -76,6 +80,8 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
                                       **kwargs)
     bounds = sequence_bounds(kwargs)
     sizes = [b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    if cpu_attention.applies(query, key, value, dropout, scaling):
+        return cpu_attention.packed_causal_attention(query, key, value, sorted(set(bounds)), scaling), None
     gqa = query.shape[1] != key.shape[1]
     widen = getattr(module, "widen_bf16", False) and bf16_autocast_on(query.device)
     sdpa = widened_sdpa if widen else F.scaled_dot_product_attention

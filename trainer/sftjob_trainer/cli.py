@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(cfg) -> int:
     from . import dist as dist_utils
+    from . import cpu_attention
     from .cpu_blas import dispatch_by_instruction_set
     from .early_stop import stopped_early
     from .train import Preempted, StopFlag, Trainer
@@ -107,8 +108,11 @@ def run(cfg) -> int:
     # Before any matrix product: oneMKL chooses its kernels at the first one (cpu_blas.py).
     mkl = dispatch_by_instruction_set(cfg.trainer.cpu_mkl_dispatch)
     world = dist_utils.init_world()
+    attention = cpu_attention.choose(cfg.trainer.cpu_attention) if world.device.type == "cpu" else None
     if world.rank == 0:
         log.info(mkl)
+        if attention:
+            log.info(attention)
     trainer = None
     succeeded = False
     try:
