@@ -91,9 +91,9 @@ class TrainerConfig(_Section):
         default="auto",
         description="Which kernel runs causal attention over packed fp32 rows on a CPU: auto (sftjob's own, a "
         "causal-half kernel for the whole row on x86-64 CPUs with AVX2 and FMA, shipped prebuilt in the trainer "
-        "image; measured 2.1x torch's CPU flash sdpa at 84-456-token sequences) or sdpa (torch's, one call per "
-        "sequence). auto keeps sdpa where the kernel cannot run: bf16 or dropout, head_dim not a multiple of 16, "
-        "another CPU, no kernel library; the trainer logs which applies. Ignored on GPUs.",
+        "image; measured 1.85-2.16x torch's CPU flash sdpa on packed rows of 16-512-token sequences) or sdpa "
+        "(torch's, one call per sequence). auto keeps sdpa where the kernel cannot run: bf16 or dropout, head_dim "
+        "not a multiple of 16, another CPU, no kernel library; the trainer logs which applies. Ignored on GPUs.",
     )
     compile: bool = Field(
         default=False,

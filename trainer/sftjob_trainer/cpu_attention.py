@@ -3,10 +3,11 @@
 ``csrc/cpu_attention.c`` computes what ``sdpa_varlen`` (attention.py) computes with one torch
 sdpa call per sequence, in one call per layer for the whole row: the causal half of each
 sequence's scores only, tile by tile, every product through one register-blocked AVX2/FMA loop,
-threads from torch's own OpenMP pool. Measured on a 2-core AVX2 EPYC at the bench's lengths
-(84-456 tokens, 6 query heads over 2 KV heads of 64): 2.1x torch's CPU flash kernel, forward
-plus backward (bench/README.md). Its results match torch's to fp32 rounding (not bit for bit:
-the sums run in another order) and depend on neither the thread count nor the scheduling.
+threads from torch's own OpenMP pool. Measured on a 2-core AVX2 EPYC on packed rows of the
+bench model's heads (6 query heads over 2 KV heads of 64, sequences of 16-512 tokens):
+1.85-2.16x torch's CPU flash kernel per sequence, forward plus backward (bench/README.md). Its
+results match torch's to fp32 rounding (not bit for bit: the sums run in another order) and
+depend on neither the thread count nor the scheduling.
 
 ``trainer.cpu_attention`` picks it (`choose`, once per process, before the model runs):
 ``auto`` uses it where it applies (`applies`: fp32 tensors on a CPU with AVX2 and FMA, no
