@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.resources
 import os
 import subprocess
 import tempfile
@@ -31,7 +32,8 @@ import torch
 
 from .cpu_blas import CpuInfo, read_cpu
 
-HERE = Path(__file__).resolve().parent
+# The package's own directory (its data: the C source in a checkout, the library in the image).
+HERE = Path(str(importlib.resources.files("sftjob_trainer")))
 SOURCE = HERE / "csrc" / "cpu_attention.c"
 BUILD_SCRIPT = HERE / "csrc" / "build.sh"
 PREBUILT = HERE / "libsftjob_cpu_attention.so"
